@@ -1,0 +1,14 @@
+"""hsx: per-token hidden states from speculative decoding engines, aligned and stored as Parquet shards."""
+
+__version__ = "0.1.0"
+
+from hsx.errors import AlignmentError, HsxError, SampleError, ShardError  # noqa: E402
+
+__all__ = ["__version__", "HsxError", "AlignmentError", "SampleError", "ShardError", "open"]
+
+
+def open(path, **kwargs):  # noqa: A001 - the public name is hsx.open
+    """Open a directory of shards (or one shard file) for reading; see :class:`hsx.shards.reader.ShardDataset`."""
+    from hsx.shards.reader import open_shards
+
+    return open_shards(path, **kwargs)

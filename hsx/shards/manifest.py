@@ -1,0 +1,121 @@
+"""The manifest: the list of committed shards, the source of truth for readers and resume.
+
+A shard exists for hsx only once the manifest names it. Files in the directory that it does
+not name (a temp file of a crashed write, a shard renamed just before a crash) are ignored by
+readers, listed by ``hsx verify`` and overwritten by a resumed run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import xxhash
+
+from hsx.errors import ShardError
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "hsx-manifest"
+
+
+@dataclass
+class ShardEntry:
+    file: str
+    samples: int
+    rows: int  # hidden-state rows per column (one per covered token position)
+    tokens: int
+    bytes: int
+    xxh3_128: str
+    sample_ids: list[str]
+
+
+@dataclass
+class ErrorRecord:
+    sample_id: str
+    source_index: int
+    reason: str
+
+
+@dataclass
+class Manifest:
+    metadata: dict
+    config_hash: str | None = None
+    shards: list[ShardEntry] = field(default_factory=list)
+    errors: list[ErrorRecord] = field(default_factory=list)
+    complete: bool = False
+
+    @property
+    def num_samples(self) -> int:
+        return sum(s.samples for s in self.shards)
+
+    def done_ids(self) -> set[str]:
+        """Sample ids that need no more work: written, or recorded as errors."""
+        return {i for s in self.shards for i in s.sample_ids} | {e.sample_id for e in self.errors}
+
+    def to_json(self) -> dict:
+        return {"format": MANIFEST_FORMAT, **asdict(self)}
+
+
+def manifest_path(directory: Path) -> Path:
+    return Path(directory) / MANIFEST
+
+
+def load_manifest(directory: str | Path) -> Manifest:
+    path = manifest_path(Path(directory))
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ShardError(f"{path}: no manifest; not an hsx output directory (or nothing was committed yet)") from None
+    except ValueError as e:
+        raise ShardError(f"{path}: manifest is not valid JSON ({e})") from None
+    if raw.get("format") != MANIFEST_FORMAT:
+        raise ShardError(f"{path}: not an hsx manifest (format={raw.get('format')!r})")
+    try:
+        return Manifest(
+            metadata=raw["metadata"],
+            config_hash=raw.get("config_hash"),
+            shards=[ShardEntry(**s) for s in raw["shards"]],
+            errors=[ErrorRecord(**e) for e in raw.get("errors", [])],
+            complete=bool(raw.get("complete", False)),
+        )
+    except (KeyError, TypeError) as e:
+        raise ShardError(f"{path}: manifest is missing or has malformed fields ({e})") from None
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write via a temp file in the same directory, fsync, rename, fsync the directory."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_manifest(directory: str | Path, manifest: Manifest) -> None:
+    data = json.dumps(manifest.to_json(), indent=1).encode()
+    atomic_write_bytes(manifest_path(Path(directory)), data)
+
+
+def file_checksum(path: str | Path, chunk: int = 8 << 20) -> str:
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def bytes_checksum(data) -> str:
+    return xxhash.xxh3_128(data).hexdigest()

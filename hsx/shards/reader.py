@@ -1,0 +1,289 @@
+"""Reading shards: ``hsx.open(path)`` -> :class:`ShardDataset` of :class:`Sample`.
+
+Shards are loaded lazily, one file at a time, and checked before any number leaves them: size
+and xxh3-128 checksum against the manifest, Parquet page CRCs, schema and metadata. Hidden
+states come out as read-only torch views of the Arrow buffers (no conversion, no copy).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from hsx.errors import ShardError
+from hsx.shards import format as fmt
+from hsx.shards.manifest import MANIFEST, ErrorRecord, ShardEntry, bytes_checksum, load_manifest
+
+
+def _np_to_torch(a: np.ndarray) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only Arrow memory
+        return torch.from_numpy(a)
+
+
+class _Column:
+    """One column of a loaded shard with a row -> (chunk, local row) index."""
+
+    def __init__(self, chunked: pa.ChunkedArray):
+        self.chunks = [c for c in chunked.chunks if len(c)] or list(chunked.chunks[:1])
+        self.starts = np.cumsum([0, *(len(c) for c in self.chunks)])
+
+    def locate(self, row: int):
+        k = int(np.searchsorted(self.starts, row, side="right")) - 1
+        return self.chunks[k], row - int(self.starts[k])
+
+
+class _Shard:
+    def __init__(self, path: Path, table: pa.Table, metadata: dict):
+        self.path = path
+        self.table = table
+        self.metadata = metadata
+        self.cols = {name: _Column(table.column(name)) for name in table.column_names}
+        self.dtypes = fmt.dtype_of(metadata["dtype"])
+        self.widths = {g["name"]: g["width"] for g in metadata["layers"]}
+
+    def scalar(self, name: str, row: int):
+        chunk, i = self.cols[name].locate(row)
+        return chunk[i].as_py()
+
+    def int_list(self, name: str, row: int) -> torch.Tensor | None:
+        chunk, i = self.cols[name].locate(row)
+        if not chunk[i].is_valid:
+            return None
+        start, stop = chunk.offsets[i].as_py(), chunk.offsets[i + 1].as_py()
+        return _np_to_torch(chunk.values.to_numpy(zero_copy_only=True)[start:stop])
+
+    def hidden(self, name: str, row: int) -> torch.Tensor:
+        if name not in self.widths:
+            raise KeyError(f"{self.path.name}: no hidden-state column {name!r}; columns: {list(self.widths)}")
+        chunk, i = self.cols[name].locate(row)
+        return fmt.rows_view(chunk, i, self.widths[name], self.dtypes)
+
+    def num_rows(self, row: int) -> int:
+        name = next(iter(self.widths), None)
+        if name is None:
+            return 0
+        chunk, i = self.cols[name].locate(row)
+        return chunk.offsets[i + 1].as_py() - chunk.offsets[i].as_py()
+
+
+def load_shard(path: Path, entry: ShardEntry | None) -> _Shard:
+    """Read and check one shard file; any fault raises :class:`ShardError` naming the file."""
+    try:
+        with pa.memory_map(str(path)) as f:
+            buf = f.read_buffer()
+    except FileNotFoundError:
+        raise ShardError(f"{path}: shard listed in the manifest is missing") from None
+    if entry is not None:
+        if buf.size != entry.bytes:
+            raise ShardError(f"{path}: {buf.size} bytes on disk, manifest says {entry.bytes} (truncated or rewritten)")
+        digest = bytes_checksum(buf)
+        if digest != entry.xxh3_128:
+            raise ShardError(f"{path}: checksum {digest} does not match the manifest's {entry.xxh3_128} (corrupt)")
+    try:
+        table = pq.read_table(pa.BufferReader(buf), page_checksum_verification=True)
+    except (pa.ArrowException, OSError) as e:
+        raise ShardError(f"{path}: unreadable Parquet ({e})") from None
+    meta = fmt.read_metadata(table.schema, str(path))
+    check_schema(table.schema, meta, str(path))
+    if entry is not None:
+        if table.num_rows != entry.samples:
+            raise ShardError(f"{path}: {table.num_rows} samples, manifest says {entry.samples}")
+        if table.column("sample_id").to_pylist() != entry.sample_ids:
+            raise ShardError(f"{path}: sample ids differ from the manifest's list")
+    return _Shard(path, table, meta)
+
+
+def check_schema(schema: pa.Schema, meta: dict, where: str) -> None:
+    expected = fmt.schema_for(meta)
+    for f in expected:
+        got = schema.field(f.name) if f.name in schema.names else None
+        if got is None:
+            raise ShardError(f"{where}: column {f.name!r} is missing")
+        if not got.type.equals(f.type):
+            raise ShardError(f"{where}: column {f.name!r} has type {got.type}, expected {f.type}")
+
+
+class Sample:
+    """One sequence. Hidden states: ``s.hidden(name)`` -> read-only ``[rows, W]`` view; row j is position j."""
+
+    __slots__ = ("_shard", "_row", "index")
+
+    def __init__(self, shard: _Shard, row: int, index: int):
+        self._shard, self._row, self.index = shard, row, index
+
+    sample_id = property(lambda self: self._shard.scalar("sample_id", self._row))
+    source_index = property(lambda self: self._shard.scalar("source_index", self._row))
+    prompt_len = property(lambda self: self._shard.scalar("prompt_len", self._row))
+    finish_reason = property(lambda self: self._shard.scalar("finish_reason", self._row))
+    verify_steps = property(lambda self: self._shard.scalar("verify_steps", self._row))
+    input_ids = property(lambda self: self._shard.int_list("input_ids", self._row))  # [N] int32
+    loss_mask = property(lambda self: self._shard.int_list("loss_mask", self._row))  # [N] uint8
+    accept_lens = property(lambda self: self._shard.int_list("accept_lens", self._row))  # [steps] int16 or None
+
+    @property
+    def num_rows(self) -> int:
+        return self._shard.num_rows(self._row)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Token positions covered by the rows, in row order."""
+        return torch.arange(self.num_rows)
+
+    def hidden(self, name: str) -> torch.Tensor:
+        return self._shard.hidden(name, self._row)
+
+    def __repr__(self) -> str:
+        return f"Sample({self.sample_id!r}, tokens={len(self.input_ids)}, rows={self.num_rows})"
+
+
+@dataclass
+class TokenMatrix:
+    """Every row of one column: ``hidden[r]`` belongs to sample ``sample_index[r]`` at ``position[r]``."""
+
+    hidden: torch.Tensor  # [R, W]
+    sample_index: torch.Tensor  # [R] int64, index into the dataset
+    position: torch.Tensor  # [R] int64
+    token_id: torch.Tensor  # [R] int64, the token at that position (the row's input)
+
+
+class ShardDataset:
+    """Samples of a directory of shards (or one shard file), in manifest order."""
+
+    def __init__(self, paths: list[Path], entries: list[ShardEntry | None], counts: list[int], metadata: dict,
+                 errors: list[ErrorRecord] = (), cache_shards: int = 4, index: np.ndarray | None = None):
+        self._paths, self._entries, self._counts = paths, entries, counts
+        self.metadata = metadata
+        self.errors = list(errors)
+        self._cache: OrderedDict[int, _Shard] = OrderedDict()
+        self._cache_shards = max(1, cache_shards)
+        starts = np.cumsum([0, *counts])
+        self._starts = starts
+        # global sample i -> (shard k, row): kept as one array of flat indices into the shards
+        self._index = np.arange(starts[-1]) if index is None else index
+
+    @property
+    def columns(self) -> list[str]:
+        return [g["name"] for g in self.metadata["layers"]]
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def _shard(self, k: int) -> _Shard:
+        shard = self._cache.get(k)
+        if shard is None:
+            shard = load_shard(self._paths[k], self._entries[k])
+            self._cache[k] = shard
+            while len(self._cache) > self._cache_shards:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(k)
+        return shard
+
+    def _locate(self, flat: int) -> tuple[int, int]:
+        k = int(np.searchsorted(self._starts, flat, side="right")) - 1
+        return k, flat - int(self._starts[k])
+
+    def __getitem__(self, i: int) -> Sample:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample index {i} out of range for {len(self)} samples")
+        i = i % len(self)
+        k, row = self._locate(int(self._index[i]))
+        return Sample(self._shard(k), row, i)
+
+    def __iter__(self) -> Iterator[Sample]:
+        for i in range(len(self)):
+            yield self[i]
+
+    @property
+    def sample_ids(self) -> list[str]:
+        ids = self._all_ids()
+        return [ids[j] for j in self._index]
+
+    def _all_ids(self) -> list[str]:
+        if all(e is not None for e in self._entries):
+            return [i for e in self._entries for i in e.sample_ids]
+        return [i for k in range(len(self._paths)) for i in self._shard(k).table.column("sample_id").to_pylist()]
+
+    def select(self, sample_ids: Iterable[str]) -> "ShardDataset":
+        """A view of the samples with these ids, in the order given."""
+        where = {sid: j for j, sid in enumerate(self._all_ids())}
+        picked = []
+        for sid in sample_ids:
+            if sid not in where:
+                raise KeyError(f"sample id {sid!r} is not in this dataset")
+            picked.append(where[sid])
+        return ShardDataset(self._paths, self._entries, self._counts, self.metadata, self.errors,
+                            self._cache_shards, np.asarray(picked, dtype=np.int64))
+
+    def table(self, columns: Sequence[str] | None = None) -> pa.Table:
+        """Metadata columns of every sample (no hidden states) as one Arrow table, in dataset order."""
+        cols = list(columns or fmt.BASE_NAMES)
+        parts = [self._shard(k).table.select(cols) for k in range(len(self._paths))]
+        whole = pa.concat_tables(parts) if parts else fmt.schema_for(self.metadata).empty_table().select(cols)
+        return whole.take(pa.array(self._index)) if len(self._index) != whole.num_rows or not np.array_equal(self._index, np.arange(whole.num_rows)) else whole
+
+    def tokens(self, name: str, shard: int | None = None) -> TokenMatrix:
+        """All rows of column ``name`` (one shard, or every shard concatenated) with their sample and position."""
+        if name not in self.columns:
+            raise KeyError(f"no hidden-state column {name!r}; columns: {self.columns}")
+        shards = range(len(self._paths)) if shard is None else [shard]
+        width = next(g["width"] for g in self.metadata["layers"] if g["name"] == name)
+        dtype = fmt.dtype_of(self.metadata["dtype"])
+        hidden, owner, pos, tok = [], [], [], []
+        global_of = np.full(self._starts[-1], -1, dtype=np.int64)
+        global_of[self._index] = np.arange(len(self._index))
+        for k in shards:
+            s = self._shard(k)
+            for chunk_h, chunk_ids, base in zip(s.cols[name].chunks, s.cols["input_ids"].chunks, s.cols[name].starts):
+                offs = chunk_h.offsets.to_numpy()
+                lens = np.diff(offs)
+                hidden.append(fmt.block_view(chunk_h.values, int(offs[0]), int(offs[-1]), width, dtype))
+                rows_owner = np.repeat(np.arange(len(lens)) + int(self._starts[k] + base), lens)
+                owner.append(global_of[rows_owner])
+                first = np.repeat(offs[:-1], lens)
+                p = np.arange(int(offs[0]), int(offs[-1])) - first
+                pos.append(p)
+                ids_off = chunk_ids.offsets.to_numpy()
+                ids = chunk_ids.values.to_numpy()
+                tok.append(ids[np.repeat(ids_off[:-1], lens) + p])
+        keep = np.concatenate(owner) >= 0 if owner else np.zeros(0, bool)
+        h = hidden[0] if len(hidden) == 1 else torch.cat(hidden) if hidden else torch.empty((0, width), dtype=dtype)
+        cat = lambda xs: torch.from_numpy(np.concatenate(xs).astype(np.int64)) if xs else torch.zeros(0, dtype=torch.int64)
+        sample_index, position, token_id = cat(owner), cat(pos), cat(tok)
+        if not keep.all():
+            m = torch.from_numpy(keep)
+            h, sample_index, position, token_id = h[m], sample_index[m], position[m], token_id[m]
+        return TokenMatrix(h, sample_index, position, token_id)
+
+    def __repr__(self) -> str:
+        return f"ShardDataset({len(self)} samples, {len(self._paths)} shards, columns={self.columns})"
+
+
+def open_shards(path: str | Path, cache_shards: int = 4) -> ShardDataset:
+    """Open an hsx output directory (through its manifest) or a single shard file."""
+    path = Path(path)
+    if path.is_dir():
+        m = load_manifest(path)
+        paths = [path / s.file for s in m.shards]
+        return ShardDataset(paths, list(m.shards), [s.samples for s in m.shards], m.metadata, m.errors, cache_shards)
+    if not path.exists():
+        raise ShardError(f"{path}: no such file or directory")
+    entry = None
+    if (path.parent / MANIFEST).exists():
+        m = load_manifest(path.parent)
+        entry = next((s for s in m.shards if s.file == path.name), None)
+        if entry is None:
+            raise ShardError(f"{path}: not listed in {path.parent / MANIFEST} (an uncommitted or stray file)")
+    shard = load_shard(path, entry)
+    ds = ShardDataset([path], [entry], [shard.table.num_rows], shard.metadata, (), cache_shards)
+    ds._cache[0] = shard
+    return ds

@@ -1,0 +1,122 @@
+"""The one typed configuration of an extraction run, shared by the CLI, config files and Python."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from hsx.errors import HsxError
+
+Mode = Literal["generate", "prefill"]
+
+
+@dataclass
+class ExtractConfig:
+    # what to run
+    model: str = ""
+    draft_model: str | None = None
+    engine: Literal["hf", "sglang"] = "hf"
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    model_dtype: str = "auto"  # compute dtype: auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16
+    trust_remote_code: bool = False
+    # data
+    dataset: str = ""
+    split: str = "train"
+    limit: int | None = None
+    id_field: str | None = None
+    text_field: str | None = None
+    chat_template: str | None = None  # path to a Jinja template file
+    max_length: int | None = None  # context limit; default: the model's max_position_embeddings
+    # what to capture
+    output: str = ""
+    mode: Mode = "generate"
+    layers: str = "final"
+    eagle3_layer_ids: list[int] | None = None  # draft-config ids; default: read from the draft config if any
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    # decoding
+    batch_size: int = 8
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    spec_num_steps: int | None = None
+    spec_topk: int | None = None
+    spec_num_draft_tokens: int | None = None
+    # output layout
+    compression: Literal["none", "zstd"] = "none"
+    max_shard_mb: int = 512
+    # engine pass-through (sglang.Engine keyword arguments)
+    engine_args: dict[str, Any] = field(default_factory=dict)
+
+    # Fields that change neither which samples exist nor their values: a resumed run may differ in them.
+    _LAYOUT_ONLY = ("output", "limit", "batch_size", "max_shard_mb", "compression")
+
+    def validate(self) -> "ExtractConfig":
+        if not self.model:
+            raise HsxError("no model given (--model PATH or model = ... in the config file)")
+        if not self.dataset:
+            raise HsxError("no dataset given (--dataset NAME_OR_PATH)")
+        if not self.output:
+            raise HsxError("no output directory given (--output DIR)")
+        if self.mode not in ("generate", "prefill"):
+            raise HsxError(f"--mode must be generate or prefill, got {self.mode!r}")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise HsxError(f"--dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.batch_size < 1 or self.max_new_tokens < 1:
+            raise HsxError("--batch-size and --max-new-tokens must be >= 1")
+        if self.engine not in ("hf", "sglang"):
+            raise HsxError(f"--engine must be hf or sglang, got {self.engine!r}")
+        if self.speculative and self.draft_model is None and self.engine == "hf":
+            raise HsxError("--spec-* options need --draft-model with the hf engine")
+        return self
+
+    @property
+    def speculative(self) -> bool:
+        return self.draft_model is not None or any(
+            v is not None for v in (self.spec_num_steps, self.spec_topk, self.spec_num_draft_tokens)
+        )
+
+    def spec_settings(self) -> tuple[int, int, int]:
+        """(num_steps, topk, num_draft_tokens) with SGLang-like defaults filled in."""
+        steps = self.spec_num_steps or 3
+        topk = self.spec_topk or 1
+        draft_tokens = self.spec_num_draft_tokens or (steps + 1 if topk == 1 else min(steps * topk, 8) + 1)
+        return steps, topk, draft_tokens
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def fingerprint(self) -> str:
+        """Hash of everything that decides the output's samples and values."""
+        d = {k: v for k, v in self.to_dict().items() if k not in self._LAYOUT_ONLY}
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "config") -> "ExtractConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise HsxError(f"{where}: unknown keys {unknown}; known keys: {sorted(names)}")
+        return cls(**d)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ExtractConfig":
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise HsxError(f"cannot read config file {path}: {e}") from None
+        try:
+            d = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        except (tomllib.TOMLDecodeError, ValueError) as e:
+            raise HsxError(f"{path}: not valid {'TOML' if path.suffix == '.toml' else 'JSON'} ({e})") from None
+        return cls.from_dict(d, str(path))
+
+    def merged(self, overrides: dict) -> "ExtractConfig":
+        """A copy with the given (non-None) fields replaced, e.g. CLI options over a config file."""
+        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})

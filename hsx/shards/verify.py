@@ -1,0 +1,192 @@
+"""``hsx verify`` and ``hsx inspect``: integrity checks and a summary of an output directory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import torch
+
+from hsx.errors import ShardError
+from hsx.shards import format as fmt
+from hsx.shards.manifest import MANIFEST, Manifest, ShardEntry, load_manifest
+from hsx.shards.reader import load_shard
+
+
+@dataclass
+class ShardReport:
+    file: str
+    samples: int = 0
+    rows: int = 0
+    faults: list[str] = field(default_factory=list)
+
+
+@dataclass
+class VerifyReport:
+    path: str
+    shards: list[ShardReport] = field(default_factory=list)
+    faults: list[str] = field(default_factory=list)  # not tied to one shard
+    ignored: list[str] = field(default_factory=list)  # files the manifest does not name
+    errors: int = 0  # samples recorded as errors (bad input), not faults
+
+    @property
+    def ok(self) -> bool:
+        return not self.faults and all(not s.faults for s in self.shards)
+
+
+def _lengths(chunked: pa.ChunkedArray) -> np.ndarray:
+    return pc.list_value_length(chunked).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def check_table(table: pa.Table, meta: dict) -> list[str]:
+    """Row-level checks of a loaded shard: alignment row counts, per-token columns, stats, NaN/Inf."""
+    faults = []
+    ids = table.column("sample_id").to_pylist()
+    n_tok = _lengths(table.column("input_ids"))
+    want = fmt.expected_rows(n_tok, meta["mode"])
+    for g in meta["layers"]:
+        got = _lengths(table.column(g["name"]))
+        bad = np.flatnonzero(got != want)
+        for j in bad[:5]:
+            faults.append(f"sample {ids[j]!r}: {got[j]} rows of {g['name']!r} for {n_tok[j]} tokens; "
+                          f"{meta['mode']} mode covers positions {fmt.COVERS[meta['mode']]} ({want[j]} rows)")
+        if len(bad) > 5:
+            faults.append(f"... and {len(bad) - 5} more samples with wrong row counts in {g['name']!r}")
+    mask_len = _lengths(table.column("loss_mask"))
+    for j in np.flatnonzero(mask_len != n_tok)[:5]:
+        faults.append(f"sample {ids[j]!r}: loss_mask has {mask_len[j]} entries for {n_tok[j]} tokens")
+    prompt = table.column("prompt_len").to_numpy()
+    for j in np.flatnonzero((prompt < 0) | (prompt > n_tok))[:5]:
+        faults.append(f"sample {ids[j]!r}: prompt_len {prompt[j]} outside 0..{n_tok[j]}")
+    faults += _check_accept(table, ids, n_tok - prompt)
+    faults += _check_finite(table, meta, ids)
+    return faults
+
+
+def _check_accept(table: pa.Table, ids: list[str], completion: np.ndarray) -> list[str]:
+    faults = []
+    steps = table.column("verify_steps").to_pylist()
+    accept = table.column("accept_lens").to_pylist()  # small ints, one per verify step
+    for j, (n, a) in enumerate(zip(steps, accept)):
+        if (n is None) != (a is None) or (a is not None and n != len(a)):
+            faults.append(f"sample {ids[j]!r}: verify_steps {n} but {None if a is None else len(a)} accept lengths")
+        elif a:
+            # The first completion token comes from the prefill; steps cover the rest, and only
+            # the last step may overshoot.
+            decoded = int(completion[j]) - 1
+            if sum(a) < decoded or sum(a) - a[-1] >= max(decoded, 1):
+                faults.append(f"sample {ids[j]!r}: accept lengths sum to {sum(a)} for {decoded} decoded tokens")
+    return faults
+
+
+def _check_finite(table: pa.Table, meta: dict, ids: list[str]) -> list[str]:
+    faults = []
+    dtype = fmt.dtype_of(meta["dtype"])
+    for g in meta["layers"]:
+        for chunk in table.column(g["name"]).chunks:
+            offs = chunk.offsets.to_numpy()
+            block = fmt.block_view(chunk.values, int(offs[0]), int(offs[-1]), g["width"], dtype)
+            finite = torch.isfinite(block).all(dim=1).numpy()
+            if not finite.all():
+                row = int(np.flatnonzero(~finite)[0])
+                owner = int(np.searchsorted(offs, int(offs[0]) + row, side="right")) - 1
+                faults.append(f"column {g['name']!r}: {int((~finite).sum())} rows with NaN/Inf "
+                              f"(first in sample {chunk.offset + owner}, position {int(offs[0]) + row - offs[owner]})")
+    return faults
+
+
+def verify(path: str | Path) -> VerifyReport:
+    """Check a directory (manifest vs files, checksums, schema, alignment row counts, NaN/Inf) or one file."""
+    path = Path(path)
+    report = VerifyReport(str(path))
+    if path.is_file():
+        report.shards.append(_verify_one(path, None, None))
+        return report
+    try:
+        m = load_manifest(path)
+    except ShardError as e:
+        report.faults.append(str(e))
+        return report
+    report.errors = len(m.errors)
+    named = {s.file for s in m.shards} | {MANIFEST}
+    report.ignored = sorted(p.name for p in path.iterdir() if p.is_file() and p.name not in named)
+    seen: set[str] = set()
+    for entry in m.shards:
+        r = _verify_one(path / entry.file, entry, m)
+        dup = seen.intersection(entry.sample_ids)
+        if dup:
+            r.faults.append(f"sample ids also in an earlier shard: {sorted(dup)[:5]}")
+        seen.update(entry.sample_ids)
+        report.shards.append(r)
+    return report
+
+
+def _verify_one(path: Path, entry: ShardEntry | None, m: Manifest | None) -> ShardReport:
+    r = ShardReport(path.name)
+    try:
+        shard = load_shard(path, entry)
+    except ShardError as e:
+        r.faults.append(str(e))
+        return r
+    r.samples = shard.table.num_rows
+    if m is not None and shard.metadata != m.metadata:
+        r.faults.append("shard metadata differs from the manifest's")
+    r.faults += check_table(shard.table, shard.metadata)
+    if shard.metadata["layers"]:
+        r.rows = int(_lengths(shard.table.column(shard.metadata["layers"][0]["name"])).sum())
+    if entry is not None and r.rows != entry.rows:
+        r.faults.append(f"{r.rows} rows, manifest says {entry.rows}")
+    return r
+
+
+def inspect(path: str | Path) -> dict:
+    """Summary of an output directory or file, reading only the small metadata columns."""
+    path = Path(path)
+    if path.is_dir():
+        m = load_manifest(path)
+        files = [path / s.file for s in m.shards]
+        meta, errors, complete = m.metadata, len(m.errors), m.complete
+    else:
+        files = [path]
+        meta, errors, complete = fmt.read_metadata(pq.read_schema(path), str(path)), 0, None
+    cols = ["input_ids", "prompt_len", "accept_lens", "finish_reason"]
+    tables = [pq.read_table(f, columns=cols) for f in files]
+    t = pa.concat_tables(tables) if tables else fmt.schema_for(meta).empty_table().select(cols)
+    n_tok = _lengths(t.column("input_ids")) if t.num_rows else np.zeros(0, np.int64)
+    prompt = t.column("prompt_len").to_numpy() if t.num_rows else np.zeros(0, np.int64)
+    rows = int(fmt.expected_rows(n_tok, meta["mode"]).sum())
+    size = sum(f.stat().st_size for f in files)
+    accept = pc.list_flatten(t.column("accept_lens")).to_numpy(zero_copy_only=False) if t.num_rows else np.zeros(0)
+    summary = {
+        "path": str(path),
+        "complete": complete,
+        "shards": len(files),
+        "samples": t.num_rows,
+        "errors": errors,
+        "tokens": int(n_tok.sum()),
+        "prompt_tokens": int(prompt.sum()),
+        "completion_tokens": int((n_tok - prompt).sum()),
+        "rows_per_column": rows,
+        "bytes": size,
+        "bytes_per_token": size / max(1, int(n_tok.sum())),
+        "dtype": meta["dtype"],
+        "mode": meta["mode"],
+        "layers": meta["layers"],
+        "model": meta.get("model", {}),
+        "engine": meta.get("engine", {}),
+        "speculative": meta.get("speculative"),
+        "finish_reasons": dict(zip(*np.unique(t.column("finish_reason").to_numpy(zero_copy_only=False), return_counts=True))) if t.num_rows else {},
+    }
+    summary["finish_reasons"] = {str(k): int(v) for k, v in summary["finish_reasons"].items()}
+    if accept.size:
+        vals, counts = np.unique(accept, return_counts=True)
+        summary["accept"] = {
+            "verify_steps": int(accept.size),
+            "mean_accept_len": float(accept.mean()),
+            "histogram": {int(v): int(c) for v, c in zip(vals, counts)},
+        }
+    return summary

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Create (or refresh) the virtualenv hsx runs in: $HSX_VENV, default .venv in the repo.
+# Without a GPU, torch comes from the CPU wheel (torch==2.13.0) before anything else can pull
+# a multi-GB CUDA build; with nvidia-smi present, pip's default (CUDA) build is used.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${HSX_VENV:-.venv}"
+PY="$VENV/bin/python"
+[ -x "$PY" ] || python3 -m venv "$VENV"
+stamp="$VENV/.hsx-installed"
+want="$(sha256sum pyproject.toml | cut -c1-16)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+"$PY" -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    "$PY" -m pip install -q torch
+  else
+    "$PY" -m pip install -q torch==2.13.0
+  fi
+fi
+"$PY" -m pip install -q -e ".[test]" 2>&1 | grep -v '^WARNING: Location' || true
+"$PY" -c "import hsx, torch, transformers, datasets, pyarrow, typer" 
+echo "$want" > "$stamp"

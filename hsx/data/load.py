@@ -1,0 +1,107 @@
+"""Read the rows of a dataset through HF ``datasets``: a local file, a local directory, or a hub name.
+
+``source`` is tried in this order:
+
+1. an existing file: ``.json``/``.jsonl`` (json builder), ``.parquet``, ``.csv``; it has one split, ``train``;
+2. an existing directory written by ``save_to_disk`` (it holds ``dataset_dict.json`` or ``state.json``);
+3. any other existing directory: ``load_dataset(dir)``, which infers the format and the splits from the
+   file names (``train.jsonl``, ``test-00000.parquet``, ...);
+4. a builder name with ``data_files`` (``load_rows("json", data_files=[...])``);
+5. otherwise a hub name. Something that looks like a path but does not exist fails here instead of
+   being sent to the hub.
+
+Every failure of the underlying library surfaces as :class:`~hsx.errors.HsxError` naming the source.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import datasets
+import pyarrow as pa
+import xxhash
+
+from hsx.errors import HsxError
+
+FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_rows(
+    source: str, split: str = "train", limit: int | None = None, data_files=None
+) -> datasets.Dataset:
+    """The rows of ``split`` of ``source``, the first ``limit`` of them when ``limit`` is given."""
+    if limit is not None and limit < 0:
+        raise HsxError(f"limit must be >= 0, got {limit}")
+    splits = _open(source, data_files)
+    if isinstance(splits, datasets.Dataset):
+        # save_to_disk of a single Dataset: one table, whatever the split is called
+        ds = splits
+    elif split in splits:
+        ds = splits[split]
+    else:
+        raise HsxError(f"dataset {source!r} has no split {split!r}; available splits: {sorted(splits)}")
+    if limit is not None and limit < len(ds):
+        ds = ds.select(range(limit))
+    return ds
+
+
+def _open(source: str, data_files) -> datasets.DatasetDict | datasets.Dataset:
+    path = Path(source).expanduser()
+    try:
+        if path.is_file():
+            builder = FILE_BUILDERS.get(path.suffix.lower())
+            if builder is None:
+                raise HsxError(
+                    f"cannot read {source!r}: unknown file type; expected one of {sorted(FILE_BUILDERS)}"
+                )
+            return datasets.load_dataset(builder, data_files={"train": str(path)})
+        if path.is_dir():
+            if _is_saved_to_disk(path):
+                return datasets.load_from_disk(str(path))
+            return datasets.load_dataset(str(path), data_files=data_files)
+        if data_files is None and _looks_like_path(source):
+            raise HsxError(f"dataset {source!r}: no such file or directory")
+        return datasets.load_dataset(source, data_files=data_files)
+    except HsxError:
+        raise
+    except Exception as exc:  # the library raises many unrelated types; all mean "cannot read this source"
+        hint = ""
+        if isinstance(exc, ConnectionError) or "Hub" in str(exc):
+            hint = " (hub datasets need network access; download it elsewhere and pass the local path)"
+        raise HsxError(f"cannot read dataset {source!r}: {type(exc).__name__}: {exc}{hint}") from exc
+
+
+def _is_saved_to_disk(path: Path) -> bool:
+    return (path / datasets.config.DATASETDICT_JSON_FILENAME).is_file() or (
+        path / datasets.config.DATASET_STATE_JSON_FILENAME
+    ).is_file()
+
+
+def _looks_like_path(source: str) -> bool:
+    """A hub name is ``name`` or ``owner/name``; anything else that does not exist is a missing local path."""
+    return (
+        source.startswith((os.sep, ".", "~"))
+        or source.count("/") > 1
+        or Path(source).suffix.lower() in FILE_BUILDERS
+    )
+
+
+def dataset_fingerprint(ds: datasets.Dataset) -> str:
+    """The dataset's own fingerprint (it changes with content and with every transform), else a content hash."""
+    fingerprint = getattr(ds, "_fingerprint", None)
+    if fingerprint:
+        return fingerprint
+    return _table_hash(ds.data.table)
+
+
+def _table_hash(table: pa.Table) -> str:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return xxhash.xxh64(sink.getvalue().to_pybytes()).hexdigest()
+
+
+def describe(ds: datasets.Dataset, source: str, split: str) -> dict:
+    """What shard metadata records about the input rows."""
+    return {"source": source, "split": split, "num_rows": len(ds), "fingerprint": dataset_fingerprint(ds)}

@@ -1,0 +1,245 @@
+"""Turn dataset rows into token ids: the prompt to generate from, or the whole sequence to prefill.
+
+Row shapes
+    ``messages``       OpenAI style, a list of ``{role, content}`` with role system / user / assistant;
+    ``conversations``  ShareGPT style, a list of ``{from, value}`` with from human / gpt / system
+                       (``user`` and ``assistant`` are accepted too);
+    text               one string column: ``text_field``, else the first of text / prompt / content /
+                       question that the dataset has.
+
+A dataset may hold several shapes (a jsonl whose rows use different keys loads as the union of
+the columns, with nulls where a row lacks a key), so the shape is chosen per row: the first
+non-null of messages, conversations, text. An explicit ``text_field`` goes first instead: asking
+for a text column means "use it where it is set".
+
+Chats go through the tokenizer's chat template (or ``chat_template``, which replaces it) and are
+tokenized without added special tokens, exactly as ``apply_chat_template`` does; the template
+writes its own BOS. Plain text is tokenized with the tokenizer's special tokens (BOS for
+Llama-style tokenizers).
+
+generate
+    A chat that ends with an assistant turn loses that turn; the rest, plus the template's
+    generation prompt, is the prompt. A chat that ends with any other turn is prompted whole, so
+    the model answers its last turn. Plain text is its own prompt. ``loss_mask`` is all 0 (the
+    completion's 1s are added once it exists). A prompt of ``max_length`` tokens or more leaves no
+    room to generate and is rejected.
+prefill
+    The whole chat; ``loss_mask`` is 1 exactly on the assistant turns' content and the end-of-turn
+    token(s) the template writes after it. Templates with ``{% generation %}`` markers get their
+    mask from ``apply_chat_template(return_assistant_tokens_mask=True)``. For other templates the
+    spans are found in the rendered text: an assistant turn i spans from the end of the rendering
+    of turns[:i] with a generation prompt to the end of the rendering of turns[:i + 1], minus
+    trailing whitespace (the separator before the next turn); tokens overlapping a span get 1.
+    That needs each prefix rendering to be a prefix of the full text, which is checked. Plain text
+    has 1 on every token. A sequence longer than ``max_length`` is rejected.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Literal, Mapping
+
+from jinja2.exceptions import TemplateError
+
+from hsx.errors import HsxError, SampleError
+
+TEXT_FIELDS = ("text", "prompt", "content", "question")
+CHAT_SHAPES = {"messages": ("role", "content"), "conversations": ("from", "value")}
+ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+Mode = Literal["generate", "prefill"]
+
+
+@dataclass
+class Prompt:
+    sample_id: str  # the id field's value as str if an id field is given, else f"{split}:{index}"
+    source_index: int  # row index in the source dataset
+    input_ids: list[int]  # generate: the prompt; prefill: the whole sequence
+    loss_mask: list[int]  # same length as input_ids, 1 on tokens to learn from
+
+
+class Renderer:
+    def __init__(
+        self,
+        tokenizer,
+        mode: Mode,
+        text_field: str | None = None,
+        id_field: str | None = None,
+        chat_template: str | None = None,
+        max_length: int | None = None,
+        split: str = "train",
+    ):
+        if mode not in ("generate", "prefill"):
+            raise HsxError(f"mode must be 'generate' or 'prefill', got {mode!r}")
+        self.tokenizer = tokenizer
+        self.mode = mode
+        self.text_field = text_field
+        self.id_field = id_field
+        self.chat_template = chat_template
+        self.max_length = max_length
+        self.split = split
+        self._candidates: list[tuple[str, str]] | None = None  # (shape, column), in order of preference
+        self._template_marks_assistant = False  # the chat template has {% generation %} markers
+
+    def detect(self, column_names: Iterable[str]) -> str:
+        """The dataset's preferred row shape; fails if it has no column this renderer can use."""
+        columns = list(column_names)
+        for role, name in (("--text-field", self.text_field), ("--id-field", self.id_field)):
+            if name is not None and name not in columns:
+                raise HsxError(f"{role} {name!r} is not a column of the dataset; its columns are {columns}")
+        text_column = self.text_field or next((c for c in TEXT_FIELDS if c in columns), None)
+        text = [("text", text_column)] if text_column else []
+        chats = [(shape, shape) for shape in CHAT_SHAPES if shape in columns]
+        candidates = text + chats if self.text_field else chats + text
+        if not candidates:
+            raise HsxError(
+                f"the dataset has no column to render: looked for 'messages', 'conversations' or a text "
+                f"column ({', '.join(TEXT_FIELDS)}; another one can be named with --text-field); "
+                f"its columns are {columns}"
+            )
+        if chats:
+            self._template_marks_assistant = bool(GENERATION_TAG.search(self._check_template()))
+        self._candidates = candidates
+        return candidates[0][0]
+
+    def render(self, row: Mapping[str, Any], index: int) -> Prompt:
+        """The row's token ids and loss mask; SampleError if the row cannot be rendered."""
+        sample_id = self._sample_id(row, index)
+        if self._candidates is None:
+            self.detect(row.keys())
+        found = next(((s, c) for s, c in self._candidates if row.get(c) is not None), None)
+        if found is None:
+            columns = [c for _, c in self._candidates]
+            raise SampleError(sample_id, f"expected a value in one of the columns {columns}, all are missing or null")
+        shape, column = found
+        if shape == "text":
+            input_ids, loss_mask = self._render_text(sample_id, row[column], column)
+        else:
+            turns = _turns(sample_id, shape, row[column])
+            input_ids, loss_mask = self._render_chat(sample_id, turns)
+        self._check_length(sample_id, len(input_ids))
+        return Prompt(sample_id, index, input_ids, loss_mask)
+
+    def _sample_id(self, row: Mapping[str, Any], index: int) -> str:
+        fallback = f"{self.split}:{index}"
+        if self.id_field is None:
+            return fallback
+        value = row.get(self.id_field)
+        if value is None:
+            raise SampleError(fallback, f"id field {self.id_field!r} is missing or null")
+        return str(value)
+
+    def _render_text(self, sample_id: str, text: Any, column: str) -> tuple[list[int], list[int]]:
+        if not isinstance(text, str):
+            raise SampleError(sample_id, f"column {column!r}: expected a string, found {type(text).__name__}")
+        if not text.strip():
+            raise SampleError(sample_id, f"column {column!r}: text is empty or whitespace")
+        input_ids = list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+        return input_ids, [1 if self.mode == "prefill" else 0] * len(input_ids)
+
+    def _render_chat(self, sample_id: str, turns: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+        if self.mode == "generate":
+            if turns[-1]["role"] == "assistant":
+                turns = turns[:-1]
+            if not turns:
+                raise SampleError(sample_id, "the conversation is a single assistant turn: nothing to prompt with")
+            text = self._apply(sample_id, turns, add_generation_prompt=True)
+            input_ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            return input_ids, [0] * len(input_ids)
+        if self._template_marks_assistant:
+            encoded = self._apply(sample_id, turns, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+            return list(encoded["input_ids"]), list(encoded["assistant_masks"])
+        return self._prefix_mask(sample_id, turns)
+
+    def _prefix_mask(self, sample_id: str, turns: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+        """Loss mask for a template without generation markers, from assistant spans in the rendered text."""
+        text = self._apply(sample_id, turns)
+        spans = []
+        for i, turn in enumerate(turns):
+            if turn["role"] != "assistant":
+                continue
+            if i == 0:
+                raise SampleError(
+                    sample_id,
+                    "the conversation starts with an assistant turn, whose span cannot be located with a "
+                    "chat template without {% generation %} markers",
+                )
+            before = self._apply(sample_id, turns[:i], add_generation_prompt=True)
+            through = self._apply(sample_id, turns[: i + 1])
+            if not (text.startswith(before) and text.startswith(through) and len(before) <= len(through)):
+                raise SampleError(
+                    sample_id,
+                    f"the chat template renders turns[:{i + 1}] differently from the start of the whole "
+                    "conversation, so assistant spans cannot be located; use a template with "
+                    "{% generation %} markers",
+                )
+            start = len(before)
+            spans.append((start, start + len(text[start : len(through)].rstrip())))
+        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        loss_mask = [
+            int(any(tok_start < end and tok_end > start for start, end in spans))
+            for tok_start, tok_end in encoded["offset_mapping"]
+        ]
+        return list(encoded["input_ids"]), loss_mask
+
+    def _apply(self, sample_id: str, turns: list[dict[str, str]], **kwargs):
+        kwargs.setdefault("tokenize", False)
+        try:
+            return self.tokenizer.apply_chat_template(turns, chat_template=self.chat_template, **kwargs)
+        except TemplateError as exc:  # raise_exception(...) in the template, e.g. roles must alternate
+            raise SampleError(sample_id, f"chat template rejected the conversation: {exc}") from exc
+
+    def _check_template(self) -> str:
+        try:
+            template = self.tokenizer.get_chat_template(self.chat_template)
+        except ValueError as exc:
+            raise HsxError(
+                f"the dataset has chat rows but the tokenizer has no chat template; pass one with --chat-template ({exc})"
+            ) from exc
+        if self.mode == "prefill" and not GENERATION_TAG.search(template) and not self.tokenizer.is_fast:
+            raise HsxError(
+                "prefill loss masks for a chat template without {% generation %} markers need a fast "
+                "tokenizer (one that reports character offsets)"
+            )
+        return template
+
+    def _check_length(self, sample_id: str, length: int) -> None:
+        if length == 0:
+            raise SampleError(sample_id, "rendered to no tokens")
+        if self.max_length is None:
+            return
+        if self.mode == "generate" and length >= self.max_length:
+            raise SampleError(
+                sample_id, f"prompt is {length} tokens; max_length {self.max_length} leaves no room to generate"
+            )
+        if self.mode == "prefill" and length > self.max_length:
+            raise SampleError(sample_id, f"sequence is {length} tokens, longer than max_length {self.max_length}")
+
+
+def _turns(sample_id: str, shape: str, value: Any) -> list[dict[str, str]]:
+    """Validate a chat column and normalise it to [{role, content}] with role in ROLES."""
+    role_key, content_key = CHAT_SHAPES[shape]
+    expected = f"a list of {{{role_key}, {content_key}}} turns"
+    if not isinstance(value, (list, tuple)):
+        raise SampleError(sample_id, f"column {shape!r}: expected {expected}, found {type(value).__name__}")
+    if not value:
+        raise SampleError(sample_id, f"column {shape!r}: expected {expected}, found an empty list")
+    turns = []
+    for i, turn in enumerate(value):
+        where = f"column {shape!r} turn {i}"
+        if not isinstance(turn, Mapping):
+            raise SampleError(sample_id, f"{where}: expected a {{{role_key}, {content_key}}} mapping, found {type(turn).__name__}")
+        role, content = turn.get(role_key), turn.get(content_key)
+        if role is None or content is None:
+            missing = [k for k in (role_key, content_key) if turn.get(k) is None]
+            raise SampleError(sample_id, f"{where}: {missing} missing or null; found keys {sorted(turn)}")
+        accepted = SHAREGPT_ROLES if shape == "conversations" else {r: r for r in ROLES}
+        if not isinstance(role, str) or role not in accepted:
+            raise SampleError(sample_id, f"{where}: unknown {role_key} {role!r}; expected one of {list(accepted)}")
+        if not isinstance(content, str):
+            raise SampleError(sample_id, f"{where}: {content_key} must be a string, found {type(content).__name__}")
+        turns.append({"role": accepted[role], "content": content})
+    return turns

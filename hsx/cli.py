@@ -63,6 +63,61 @@ def verify(path: PathArg, as_json: AsJson = False) -> None:
         raise typer.Exit(1)
 
 
+def _opt(help: str, *names: str, **kw):
+    return typer.Option(*names, help=help, show_default=False, **kw)
+
+
+@app.command()
+def extract(
+    model: Annotated[Optional[str], _opt("Target model: a local path (or hub id where a hub is reachable).")] = None,
+    dataset: Annotated[Optional[str], _opt("A local json/jsonl/parquet/csv file, a saved dataset directory, or a hub name.")] = None,
+    output: Annotated[Optional[str], _opt("Output directory for shards and manifest.", "--output", "-o")] = None,
+    draft_model: Annotated[Optional[str], _opt("Draft model for speculative decoding (shares the tokenizer).")] = None,
+    engine: Annotated[Optional[str], _opt("Engine: hf (transformers, CPU or GPU) or sglang.")] = None,
+    mode: Annotated[Optional[str], _opt("generate: prompt + completion; prefill: teacher-forced over whole conversations.")] = None,
+    layers: Annotated[Optional[str], _opt("Comma-separated layer groups: final, eagle3, boundary numbers (0 = embeddings, L = last block before the norm).")] = None,
+    dtype: Annotated[Optional[str], _opt("Stored dtype: bfloat16 (default, bit-exact), float16, float32.")] = None,
+    split: Annotated[Optional[str], _opt("Dataset split (default train).")] = None,
+    limit: Annotated[Optional[int], _opt("Process only the first N rows.")] = None,
+    id_field: Annotated[Optional[str], _opt("Column holding a stable sample id (default: split:index).")] = None,
+    text_field: Annotated[Optional[str], _opt("Column holding plain text (default: text/prompt/content/question).")] = None,
+    chat_template: Annotated[Optional[str], _opt("A Jinja chat template file overriding the tokenizer's.")] = None,
+    max_length: Annotated[Optional[int], _opt("Longest prompt accepted (default: the model's context length).")] = None,
+    batch_size: Annotated[Optional[int], _opt("Requests per engine batch (default 8).")] = None,
+    max_new_tokens: Annotated[Optional[int], _opt("Completion budget per sample in generate mode (default 128).")] = None,
+    temperature: Annotated[Optional[float], _opt("Sampling temperature; 0 = greedy (default).")] = None,
+    top_p: Annotated[Optional[float], _opt("Nucleus sampling threshold (default 1.0).")] = None,
+    seed: Annotated[Optional[int], _opt("Random seed for sampling (default 0).")] = None,
+    spec_num_steps: Annotated[Optional[int], _opt("Draft depth per verify step (default 3).")] = None,
+    spec_topk: Annotated[Optional[int], _opt("Draft branching: 1 = chain, >1 = tree (default 1).")] = None,
+    spec_num_draft_tokens: Annotated[Optional[int], _opt("Verify stride, root included (default num_steps + 1 for chains).")] = None,
+    eagle3_layer_ids: Annotated[Optional[str], _opt("EAGLE3 aux layer ids as a draft config gives them, e.g. 1,15,28.")] = None,
+    device: Annotated[Optional[str], _opt("auto, cpu, cuda or cuda:N (default auto).")] = None,
+    model_dtype: Annotated[Optional[str], _opt("Compute dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16.")] = None,
+    compression: Annotated[Optional[str], _opt("none (default) or zstd (smaller, slower).")] = None,
+    max_shard_mb: Annotated[Optional[int], _opt("Close a shard at about this size (default 512).")] = None,
+    trust_remote_code: Annotated[Optional[bool], _opt("Allow model repositories to run their own code.", "--trust-remote-code")] = None,
+    config: Annotated[Optional[Path], _opt("A TOML or JSON file with any of these options (command-line options win).")] = None,
+    overwrite: Annotated[bool, _opt("Replace an existing output written with a different configuration.")] = False,
+    quiet: Annotated[bool, _opt("No progress bar.", "--quiet", "-q")] = False,
+) -> None:
+    """Extract per-token hidden states from a dataset into aligned shards (resumes an interrupted run)."""
+    overrides = {k: v for k, v in locals().items() if k not in ("config", "overwrite", "quiet")}
+    from hsx.config import ExtractConfig
+    from hsx.pipeline import extract as run_extract
+    from hsx.report import format_run
+
+    if eagle3_layer_ids is not None:
+        try:
+            overrides["eagle3_layer_ids"] = [int(x) for x in eagle3_layer_ids.split(",")]
+        except ValueError:
+            _fail(f"--eagle3-layer-ids must be comma-separated integers, got {eagle3_layer_ids!r}")
+    base = ExtractConfig.from_file(config) if config else ExtractConfig()
+    cfg = base.merged(overrides)
+    summary = run_extract(cfg, overwrite=overwrite, progress=not quiet)
+    typer.echo(format_run(summary))
+
+
 def main() -> None:
     try:
         app()

@@ -55,3 +55,19 @@ def format_verify(r) -> str:
     bad = sum(1 for s in r.shards if s.faults) + (1 if r.faults else 0)
     lines.append("verify: OK" if r.ok else f"verify: FAILED ({bad} shard(s) or manifest with faults)")
     return "\n".join(lines)
+
+
+def format_run(s) -> str:
+    rate = s.tokens / s.seconds if s.seconds else 0.0
+    lines = [
+        f"wrote {s.samples:,} samples ({s.tokens:,} tokens, {s.completion_tokens:,} generated, {s.rows:,} rows per column) "
+        f"to {s.output} in {s.seconds:.1f} s ({rate:,.0f} tokens/s)",
+        f"  shards on disk: {s.bytes / 1e6:,.1f} MB in total",
+    ]
+    if s.resumed:
+        lines.append(f"  resumed: {s.resumed:,} samples were already done and were skipped")
+    if s.errors:
+        lines.append(f"  input errors: {s.errors:,} samples recorded in manifest.json 'errors' (see hsx inspect)")
+    if s.mean_accept_len is not None:
+        lines.append(f"  speculative: mean accept length {s.mean_accept_len:.2f} over {s.verify_steps:,} verify steps")
+    return "\n".join(lines)

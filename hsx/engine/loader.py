@@ -1,0 +1,112 @@
+"""Build the engine a run asks for, behind the small interface the pipeline drives."""
+
+from __future__ import annotations
+
+import torch
+
+from hsx.align import LayerGroup, ModelShape, parse_layers
+from hsx.config import ExtractConfig
+from hsx.errors import HsxError
+from hsx.shards.format import DTYPES
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise HsxError(f"--device {device}: CUDA is not available on this machine")
+    return torch.device(device)
+
+
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise HsxError(f"--model-dtype must be auto, bfloat16, float16 or float32, got {name!r}")
+    return DTYPES[name]
+
+
+def eagle3_ids_from_config(config) -> list[int] | None:
+    """``eagle_aux_hidden_state_layer_ids`` from a draft config (top level or its ``eagle_config``)."""
+    for holder in (getattr(config, "eagle_config", None), config):
+        if isinstance(holder, dict):
+            ids = holder.get("eagle_aux_hidden_state_layer_ids")
+        else:
+            ids = getattr(holder, "eagle_aux_hidden_state_layer_ids", None)
+        if ids:
+            return [int(i) for i in ids]
+    return None
+
+
+class HFRunner:
+    """The transformers engine driven over rendered prompts."""
+
+    name = "hf"
+
+    def __init__(self, cfg: ExtractConfig):
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        from hsx.engine.hf import HFEngine, SamplingSettings, SpecSettings
+
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.dtype = compute_dtype(cfg.model_dtype, self.device)
+        remote = cfg.trust_remote_code
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=remote)
+            model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=self.dtype, trust_remote_code=remote)
+            draft = None
+            if cfg.draft_model:
+                draft = AutoModelForCausalLM.from_pretrained(cfg.draft_model, dtype=self.dtype, trust_remote_code=remote)
+        except (OSError, ValueError) as e:
+            raise HsxError(f"cannot load model {cfg.model!r}"
+                           + (f" / draft {cfg.draft_model!r}" if cfg.draft_model else "") + f": {e}") from None
+        model.to(self.device).eval()
+        if draft is not None:
+            draft.to(self.device).eval()
+        self.model_config = model.config
+        self.shape = ModelShape.from_config(model.config)
+        ids = cfg.eagle3_layer_ids
+        if ids is None and cfg.draft_model:
+            ids = eagle3_ids_from_config(AutoConfig.from_pretrained(cfg.draft_model, trust_remote_code=remote))
+        self.groups: list[LayerGroup] = parse_layers(cfg.layers, self.shape, ids)
+        self.context_length = getattr(model.config, "max_position_embeddings", None)
+        self.spec = SpecSettings(*cfg.spec_settings()) if cfg.speculative else None
+        self.engine = HFEngine(model, self.groups, draft_model=draft, spec=self.spec, store_dtype=DTYPES[cfg.dtype])
+        stops = set()
+        for source in (getattr(model, "generation_config", None), self.tokenizer):
+            eos = getattr(source, "eos_token_id", None)
+            stops.update([eos] if isinstance(eos, int) else (eos or []))
+        self.sampling = SamplingSettings(
+            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
+            stop_token_ids=tuple(sorted(stops)),
+        )
+
+    def describe(self) -> dict:
+        import transformers
+
+        return {"name": "hf", "version": transformers.__version__, "torch": torch.__version__,
+                "compute_dtype": str(self.dtype).removeprefix("torch."), "device_type": self.device.type}
+
+    def describe_speculative(self) -> dict | None:
+        if self.spec is None:
+            return None
+        return {"algorithm": "draft-model", "draft_model": self.cfg.draft_model, "num_steps": self.spec.num_steps,
+                "topk": self.spec.topk, "num_draft_tokens": self.spec.num_draft_tokens,
+                "tree": self.spec.topk > 1}
+
+    def run(self, prompts) -> list:
+        requests = [(p.sample_id, torch.tensor(p.input_ids, dtype=torch.int64)) for p in prompts]
+        if self.cfg.mode == "prefill":
+            return self.engine.prefill(requests)
+        return self.engine.generate(requests, self.sampling)
+
+
+def build_engine(cfg: ExtractConfig):
+    if cfg.engine == "hf":
+        return HFRunner(cfg)
+    if cfg.engine == "sglang":
+        from hsx.engine.sglang import SGLangRunner
+
+        return SGLangRunner(cfg)
+    raise HsxError(f"unknown engine {cfg.engine!r}; expected hf or sglang")

@@ -1,0 +1,206 @@
+"""``hsx extract``: dataset -> batches -> engine -> alignment -> shards, resumable from the manifest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from hsx.config import ExtractConfig
+from hsx.errors import HsxError, SampleError
+from hsx.shards.format import build_metadata
+from hsx.shards.manifest import MANIFEST, Manifest, atomic_write_bytes, load_manifest, save_manifest
+from hsx.shards.writer import Record, ShardSink
+
+CONFIG_FILE = "config.json"
+
+
+@dataclass
+class RunSummary:
+    output: str
+    samples: int = 0  # written by this run
+    resumed: int = 0  # already in the output (written or recorded as errors) and skipped
+    errors: int = 0  # bad-input records made by this run
+    tokens: int = 0
+    completion_tokens: int = 0
+    rows: int = 0
+    verify_steps: int = 0
+    accepted: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def mean_accept_len(self) -> float | None:
+        return self.accepted / self.verify_steps if self.verify_steps else None
+
+
+def _prepare_output(out: Path, fingerprint: str, overwrite: bool) -> Manifest | None:
+    """The manifest to resume from, or None for a fresh run; refuses a different config."""
+    if (out / MANIFEST).exists():
+        m = load_manifest(out)
+        if m.config_hash == fingerprint and not overwrite:
+            return m
+        if not overwrite:
+            raise HsxError(
+                f"{out} holds a run with a different configuration (config hash {m.config_hash}, this run "
+                f"{fingerprint}); see {out / CONFIG_FILE}. Use a new --output, or --overwrite to replace it."
+            )
+    elif out.exists() and any(out.iterdir()) and not overwrite:
+        raise HsxError(f"{out} exists, is not empty and has no {MANIFEST}; refusing to write into it (use --overwrite)")
+    if overwrite and out.exists():
+        for p in out.iterdir():
+            if p.name in (MANIFEST, CONFIG_FILE) or p.name.startswith(("shard-", ".shard-", f".{MANIFEST}")):
+                p.unlink() if p.is_file() else shutil.rmtree(p)
+    return None
+
+
+def _sha(text: str | None) -> str | None:
+    return None if text is None else hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _describe_model(path: str, model_config, shape) -> dict:
+    cfg_json = model_config.to_json_string(use_diff=False)
+    return {
+        "path": path,
+        "model_type": getattr(model_config, "model_type", None),
+        "config_sha256": _sha(cfg_json),
+        "revision": getattr(model_config, "_commit_hash", None),
+        "num_layers": shape.num_layers,
+        "hidden_size": shape.hidden_size,
+        "hc_mult": shape.hc_mult,
+    }
+
+
+def _describe_tokenizer(cfg: ExtractConfig, tokenizer, chat_template: str | None) -> dict:
+    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    return {
+        "path": cfg.model,
+        "class": type(tokenizer).__name__,
+        "vocab_size": len(tokenizer),
+        "chat_template_sha256": _sha(template if isinstance(template, str) else json.dumps(template, sort_keys=True) if template else None),
+        "chat_template_source": "file " + cfg.chat_template if cfg.chat_template else "tokenizer",
+    }
+
+
+def _batches(items: Iterator, size: int) -> Iterator[list]:
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def extract(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool = True) -> RunSummary:
+    """Run an extraction described by ``cfg``; resumes an interrupted run into the same output."""
+    from hsx.data.load import describe, load_rows
+    from hsx.data.render import Renderer
+    from hsx.engine.loader import build_engine
+
+    cfg.validate()
+    out = Path(cfg.output)
+    resume = _prepare_output(out, cfg.fingerprint(), overwrite)
+    t0 = time.perf_counter()
+
+    rows_all = load_rows(cfg.dataset, cfg.split)
+    dataset_meta = describe(rows_all, cfg.dataset, cfg.split)  # before --limit: a resume may change it
+    rows = rows_all.select(range(min(cfg.limit, len(rows_all)))) if cfg.limit is not None else rows_all
+
+    engine = build_engine(cfg)
+    chat_template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
+    renderer = Renderer(
+        engine.tokenizer, cfg.mode, text_field=cfg.text_field, id_field=cfg.id_field,
+        chat_template=chat_template, max_length=cfg.max_length or engine.context_length, split=cfg.split,
+    )
+    renderer.detect(rows.column_names)
+
+    metadata = build_metadata(
+        layers=[g.describe() for g in engine.groups],
+        dtype=cfg.dtype,
+        mode=cfg.mode,
+        model=_describe_model(cfg.model, engine.model_config, engine.shape),
+        tokenizer=_describe_tokenizer(cfg, engine.tokenizer, chat_template),
+        engine=engine.describe(),
+        speculative=engine.describe_speculative(),
+        dataset=dataset_meta,
+        sampling={"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
+        if cfg.mode == "generate" else None,
+        config_hash=cfg.fingerprint(),
+    )
+    if resume is not None and resume.metadata != metadata:
+        differs = sorted(k for k in set(metadata) | set(resume.metadata) if metadata.get(k) != resume.metadata.get(k))
+        raise HsxError(f"{out}: the model, tokenizer, dataset or engine differ from the run being resumed "
+                       f"(metadata fields {differs}); use a new --output or --overwrite")
+    manifest = resume or Manifest(metadata=metadata, config_hash=cfg.fingerprint())
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out / CONFIG_FILE, json.dumps(cfg.to_dict(), indent=1).encode())
+    if resume is None:
+        save_manifest(out, manifest)
+
+    summary = RunSummary(str(out))
+    done = manifest.done_ids()
+    sink = ShardSink(out, manifest, compression=cfg.compression, max_shard_bytes=cfg.max_shard_mb << 20)
+    bar = tqdm(total=len(rows), unit="sample", disable=not progress, dynamic_ncols=True)
+
+    def prompts():
+        seen: set[str] = set()
+        for index, row in enumerate(rows):
+            try:
+                p = renderer.render(row, index)
+            except SampleError as e:
+                if e.sample_id not in done:
+                    sink.add_error(e.sample_id, index, e.reason)
+                    summary.errors += 1
+                else:
+                    summary.resumed += 1
+                bar.update(1)
+                continue
+            if p.sample_id in done:
+                summary.resumed += 1
+                bar.update(1)
+                continue
+            if p.sample_id in seen:
+                sink.add_error(p.sample_id, index, f"duplicate sample id {p.sample_id!r} (also at an earlier row)")
+                summary.errors += 1
+                bar.update(1)
+                continue
+            seen.add(p.sample_id)
+            yield p
+
+    try:
+        for batch in _batches(prompts(), cfg.batch_size):
+            for prompt, sample in zip(batch, engine.run(batch)):
+                completion = sample.input_ids.numel() - sample.prompt_len
+                loss_mask = torch.tensor(prompt.loss_mask, dtype=torch.uint8)
+                if cfg.mode == "generate":
+                    loss_mask = torch.cat([loss_mask, torch.ones(completion, dtype=torch.uint8)])
+                sink.add(Record(prompt.sample_id, prompt.source_index, sample.input_ids, sample.prompt_len, loss_mask,
+                                sample.finish_reason, sample.hidden, sample.accept_lens))
+                summary.samples += 1
+                summary.tokens += sample.input_ids.numel()
+                summary.completion_tokens += completion
+                summary.rows += sample.num_rows
+                if sample.accept_lens is not None:
+                    summary.verify_steps += sample.accept_lens.numel()
+                    summary.accepted += int(sample.accept_lens.sum())
+            bar.update(len(batch))
+            elapsed = time.perf_counter() - t0
+            bar.set_postfix(tok_s=f"{summary.tokens / elapsed:,.0f}", errors=summary.errors, refresh=False)
+    except KeyboardInterrupt:
+        sink.close(complete=False)  # everything finished so far becomes durable
+        bar.close()
+        raise
+    sink.close(complete=True)
+    bar.close()
+    summary.seconds = time.perf_counter() - t0
+    summary.bytes = sum((out / s.file).stat().st_size for s in manifest.shards)
+    return summary

@@ -27,10 +27,12 @@ from hsx.errors import HsxError
 FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-def load_rows(
-    source: str, split: str = "train", limit: int | None = None, data_files=None
-) -> datasets.Dataset:
-    """The rows of ``split`` of ``source``, the first ``limit`` of them when ``limit`` is given."""
+def load_rows(source: str, split: str = "train", limit: int | None = None, data_files=None) -> datasets.Dataset:
+    """The rows of ``split`` of ``source``, the first ``limit`` of them when ``limit`` is given.
+
+    A directory holding one saved ``Dataset`` (not a ``DatasetDict``) has no split names; it is
+    returned whatever ``split`` says.
+    """
     if limit is not None and limit < 0:
         raise HsxError(f"limit must be >= 0, got {limit}")
     splits = _open(source, data_files)
@@ -52,9 +54,7 @@ def _open(source: str, data_files) -> datasets.DatasetDict | datasets.Dataset:
         if path.is_file():
             builder = FILE_BUILDERS.get(path.suffix.lower())
             if builder is None:
-                raise HsxError(
-                    f"cannot read {source!r}: unknown file type; expected one of {sorted(FILE_BUILDERS)}"
-                )
+                raise HsxError(f"cannot read {source!r}: unknown file type; expected one of {sorted(FILE_BUILDERS)}")
             return datasets.load_dataset(builder, data_files={"train": str(path)})
         if path.is_dir():
             if _is_saved_to_disk(path):
@@ -81,9 +81,7 @@ def _is_saved_to_disk(path: Path) -> bool:
 def _looks_like_path(source: str) -> bool:
     """A hub name is ``name`` or ``owner/name``; anything else that does not exist is a missing local path."""
     return (
-        source.startswith((os.sep, ".", "~"))
-        or source.count("/") > 1
-        or Path(source).suffix.lower() in FILE_BUILDERS
+        source.startswith((os.sep, ".", "~")) or source.count("/") > 1 or Path(source).suffix.lower() in FILE_BUILDERS
     )
 
 

@@ -197,7 +197,8 @@ class Renderer:
             template = self.tokenizer.get_chat_template(self.chat_template)
         except ValueError as exc:
             raise HsxError(
-                f"the dataset has chat rows but the tokenizer has no chat template; pass one with --chat-template ({exc})"
+                "the dataset has chat rows but the tokenizer has no chat template; "
+                f"pass one with --chat-template ({exc})"
             ) from exc
         if self.mode == "prefill" and not GENERATION_TAG.search(template) and not self.tokenizer.is_fast:
             raise HsxError(
@@ -231,7 +232,8 @@ def _turns(sample_id: str, shape: str, value: Any) -> list[dict[str, str]]:
     for i, turn in enumerate(value):
         where = f"column {shape!r} turn {i}"
         if not isinstance(turn, Mapping):
-            raise SampleError(sample_id, f"{where}: expected a {{{role_key}, {content_key}}} mapping, found {type(turn).__name__}")
+            found = type(turn).__name__
+            raise SampleError(sample_id, f"{where}: expected a {{{role_key}, {content_key}}} mapping, found {found}")
         role, content = turn.get(role_key), turn.get(content_key)
         if role is None or content is None:
             missing = [k for k in (role_key, content_key) if turn.get(k) is None]

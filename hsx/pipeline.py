@@ -16,10 +16,8 @@ from tqdm.auto import tqdm
 from hsx.config import ExtractConfig
 from hsx.errors import HsxError, SampleError
 from hsx.shards.format import build_metadata
-from hsx.shards.manifest import MANIFEST, Manifest, atomic_write_bytes, load_manifest, save_manifest
+from hsx.shards.manifest import CONFIG, MANIFEST, Manifest, atomic_write_bytes, load_manifest, save_manifest
 from hsx.shards.writer import Record, ShardSink
-
-CONFIG_FILE = "config.json"
 
 
 @dataclass
@@ -50,13 +48,13 @@ def _prepare_output(out: Path, fingerprint: str, overwrite: bool) -> Manifest | 
         if not overwrite:
             raise HsxError(
                 f"{out} holds a run with a different configuration (config hash {m.config_hash}, this run "
-                f"{fingerprint}); see {out / CONFIG_FILE}. Use a new --output, or --overwrite to replace it."
+                f"{fingerprint}); see {out / CONFIG}. Use a new --output, or --overwrite to replace it."
             )
     elif out.exists() and any(out.iterdir()) and not overwrite:
         raise HsxError(f"{out} exists, is not empty and has no {MANIFEST}; refusing to write into it (use --overwrite)")
     if overwrite and out.exists():
         for p in out.iterdir():
-            if p.name in (MANIFEST, CONFIG_FILE) or p.name.startswith(("shard-", ".shard-", f".{MANIFEST}")):
+            if p.name in (MANIFEST, CONFIG) or p.name.startswith(("shard-", ".shard-", f".{MANIFEST}")):
                 p.unlink() if p.is_file() else shutil.rmtree(p)
     return None
 
@@ -142,7 +140,7 @@ def extract(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool = Tru
                        f"(metadata fields {differs}); use a new --output or --overwrite")
     manifest = resume or Manifest(metadata=metadata, config_hash=cfg.fingerprint())
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out / CONFIG_FILE, json.dumps(cfg.to_dict(), indent=1).encode())
+    atomic_write_bytes(out / CONFIG, json.dumps(cfg.to_dict(), indent=1).encode())
     if resume is None:
         save_manifest(out, manifest)
 

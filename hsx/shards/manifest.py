@@ -17,6 +17,7 @@ import xxhash
 from hsx.errors import ShardError
 
 MANIFEST = "manifest.json"
+CONFIG = "config.json"  # the resolved run configuration, written beside the manifest
 MANIFEST_FORMAT = "hsx-manifest"
 
 

@@ -54,6 +54,15 @@ class ShardStats:
     bytes: int
 
 
+def _leaf(field: pa.Field) -> str:
+    """The Parquet column path that per-column writer options are keyed by.
+
+    A list column's values live in the leaf ``<name>.list.element``; pyarrow silently ignores
+    options keyed by the bare name of a nested column.
+    """
+    return f"{field.name}.list.element" if pa.types.is_list(field.type) else field.name
+
+
 def _int_lists(parts: Sequence[torch.Tensor], arrow_type: pa.DataType, np_dtype) -> pa.Array:
     lengths = np.fromiter((p.numel() for p in parts), dtype=np.int32, count=len(parts))
     offsets = np.zeros(len(parts) + 1, dtype=np.int32)
@@ -88,14 +97,14 @@ class ShardWriter:
 
     def _open(self) -> pq.ParquetWriter:
         hidden = [name for name, _ in self.layers]
-        codec = {name: "zstd" for name in fmt.BASE_NAMES}
+        codec = {_leaf(self.schema.field(name)): "zstd" for name in fmt.BASE_NAMES}
         encoding = {}
         for name in hidden:
-            codec[name] = "zstd" if self.compression == "zstd" else "none"
+            codec[_leaf(self.schema.field(name))] = "zstd" if self.compression == "zstd" else "none"
             if self.compression == "zstd":
                 # Byte-stream split puts byte j of every row together: exponent bytes of one
                 # feature across tokens sit side by side, which is what zstd can squeeze.
-                encoding[name] = "BYTE_STREAM_SPLIT"
+                encoding[_leaf(self.schema.field(name))] = "BYTE_STREAM_SPLIT"
         return pq.ParquetWriter(
             self.path,
             self.schema,

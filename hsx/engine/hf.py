@@ -1,0 +1,521 @@
+"""Embedded transformers engine: batched plain or speculative decoding with aligned hidden rows.
+
+One batched ``DynamicCache`` per model serves prompts of different lengths: every forward gets
+explicit 2-D ``position_ids`` and a float 4-D mask ``[B, 1, q, past + q]`` that says which cache
+slots each new token may see (its row's real tokens, plus its ancestors inside a draft tree).
+After each forward the cache is compacted in one place (``_KV.commit``) so it holds exactly the
+tokens each row has accepted.
+
+A speculative step drafts a tree (``topk == 1`` is a chain) with the draft model, verifies it with
+ONE target forward over ``[root + drafts]``, and accepts the longest path whose tokens equal the
+target's own choice at their parent (argmax when greedy; when sampling, one target sample per
+node from a seeded generator, so every emitted token is a plain target sample). The accepted path
+is moved to the front of each request's stride before the rows reach the ``Collector``, as
+SGLang's EAGLE worker does. Plain decoding is the same step with a one-node tree (stride 1).
+
+Boundary ``b < L`` is ``hidden_states[b]``; boundary ``L`` (pre-norm output of the last block)
+comes from a forward pre-hook on the final norm; ``final`` is ``hidden_states[L]`` (post-norm).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+
+from hsx.align import FINAL, AlignedSample, Collector, LayerGroup, ModelShape, parse_layers, teacher_forced
+from hsx.errors import HsxError
+
+
+@dataclass(frozen=True)
+class SpecSettings:
+    """Draft tree shape, named like SGLang's ``speculative_*`` flags."""
+
+    num_steps: int = 3  # draft depth
+    topk: int = 1  # children per expanded node: 1 = chain, > 1 = tree
+    num_draft_tokens: int = 4  # verify stride, root included (a full chain: num_steps + 1)
+
+    def __post_init__(self):
+        if self.num_steps < 1 or self.topk < 1 or self.num_draft_tokens < 2:
+            raise HsxError(f"speculative settings {self}: need num_steps >= 1, topk >= 1, num_draft_tokens >= 2")
+        if self.num_draft_tokens - 1 > self.pool_size - 1:
+            raise HsxError(
+                f"speculative settings {self}: num_draft_tokens - 1 = {self.num_draft_tokens - 1} exceeds the "
+                f"{self.pool_size - 1} nodes a depth-{self.num_steps} top-{self.topk} draft produces"
+            )
+
+    @property
+    def pool_size(self) -> int:
+        """Nodes drafted per step, root included: topk at depth 1, topk * topk at each deeper level."""
+        return 1 + self.topk + (self.num_steps - 1) * self.topk * self.topk
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()  # e.g. eos; the stop token is kept as the last completion token
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1 or self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise HsxError(f"sampling settings {self}: need max_new_tokens >= 1, temperature >= 0, 0 < top_p <= 1")
+
+
+def _final_norm(model) -> torch.nn.Module:
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    if norm is None:
+        raise HsxError(f"{type(model).__name__} has no model.norm: boundary L (the final norm's input) cannot be captured")
+    return norm
+
+
+def _check_supported(model, what: str) -> None:
+    cfg = model.config
+    types = getattr(cfg, "layer_types", None) or []
+    if any(t != "full_attention" for t in types) or getattr(cfg, "use_sliding_window", False):
+        raise HsxError(f"{what}: layer types {sorted(set(types))}; the explicit masks here implement full attention only")
+    impl = getattr(cfg, "_attn_implementation", None)
+    if impl not in (None, "eager", "sdpa"):
+        raise HsxError(f"{what}: attention implementation {impl!r} ignores 4-D float masks; load with 'sdpa' or 'eager'")
+
+
+class _PreNorm:
+    """Captures the final norm's input (boundary L), which ``output_hidden_states`` does not return."""
+
+    def __init__(self, model):
+        self.norm = _final_norm(model)
+        self.value: torch.Tensor | None = None
+
+    def __enter__(self):
+        self.handle = self.norm.register_forward_pre_hook(self._hook)
+        return self
+
+    def _hook(self, module, args):
+        self.value = args[0]
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+def _forward(model, input_ids, positions, visible, cache, hidden: bool):
+    """One forward of ``input_ids [B, q]`` that sees the key slots where ``visible [B, q, K]``."""
+    batch, q = input_ids.shape
+    visible = visible.clone()
+    diag = torch.arange(q, device=visible.device)
+    # every query sees itself: a fully masked row turns into NaN under eager attention
+    visible[:, diag, visible.shape[2] - q + diag] = True
+    # float mask with the dtype's minimum: eager adds a bool mask to the scores as 0/1
+    dtype = model.dtype
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    mask = mask.masked_fill(~visible, torch.finfo(dtype).min)[:, None]  # [B, 1, q, K]
+    return model(
+        input_ids=input_ids,
+        position_ids=positions,
+        attention_mask=mask,
+        cache=cache,
+        use_cache=cache is not None,
+        output_hidden_states=hidden,
+    )
+
+
+class _KV:
+    """A batched ``DynamicCache`` plus, per row, which committed slots hold that row's tokens.
+
+    Rows stay compacted: row i's tokens are slots ``[0, len_i)``, padding after. Slot order does
+    not matter to attention (positions are baked into the keys, visibility is the mask), so a
+    row's tokens may sit in any order inside that prefix.
+    """
+
+    def __init__(self, model, batch: int, device):
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)  # [B, S]
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.valid.sum(1)  # [B] tokens seen == position of the next token
+
+    def run(self, input_ids, positions, block, hidden: bool = False):
+        """Forward ``input_ids [B, q]``; ``block [B, q, uncommitted + q]`` is visibility among new slots."""
+        batch, q = input_ids.shape
+        seen = self.valid[:, None, :].expand(batch, q, -1)  # [B, q, S]
+        return _forward(self.model, input_ids, positions, torch.cat([seen, block], 2), self.cache, hidden)
+
+    def commit(self, keep: torch.Tensor) -> None:
+        """Keep the slots appended since the last commit where ``keep [B, n]``; drop the rest.
+
+        The only place a cache shrinks: each row's kept slots are gathered to its front, then the
+        columns that are padding in every row are cut off.
+        """
+        valid = torch.cat([self.valid, keep], 1)  # [B, S + n]
+        if self.cache.get_seq_length() != valid.shape[1]:
+            raise RuntimeError(f"cache holds {self.cache.get_seq_length()} slots, commit describes {valid.shape[1]}")
+        lens = valid.sum(1)  # [B]
+        stay = int(self.valid.sum(1).min()) if self.valid.shape[1] else 0  # slots [0, stay) are real in every row
+        width = int(lens.max())
+        # kept slots first, in their order; only the tail after `stay` can move
+        order = torch.sort((~valid[:, stay:]).to(torch.uint8), dim=1, stable=True).indices[:, : width - stay]
+        for layer in self.cache.layers:
+            for name in ("keys", "values"):
+                kv = getattr(layer, name)  # [B, heads, S + n, head_dim]
+                idx = order[:, None, :, None].expand(-1, kv.shape[1], -1, kv.shape[3])
+                setattr(layer, name, torch.cat([kv[:, :, :stay], kv[:, :, stay:].gather(2, idx)], 2))
+        self.valid = torch.arange(width, device=valid.device)[None, :] < lens[:, None]
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only batch rows ``rows`` (finished requests leave the batch)."""
+        self.valid = self.valid[rows]
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+        if rows.numel():  # an empty cache reports 0 slots whatever its width
+            self.commit(self.valid[:, :0])
+
+
+@dataclass
+class _Tree:
+    """One step's draft tree per request, root (the last emitted token) at node 0, parents before children."""
+
+    tokens: torch.Tensor  # [B, n]
+    parents: torch.Tensor  # [B, n] node index; the root is its own parent
+    depth: torch.Tensor  # [B, n]
+    anc: torch.Tensor  # [B, n, n] bool: anc[b, i, j] = j is i or an ancestor of i
+
+
+def _root_only(root: torch.Tensor) -> _Tree:
+    """The tree of plain decoding: just the root, stride 1."""
+    batch = root.shape[0]
+    zeros = torch.zeros(batch, 1, dtype=torch.long, device=root.device)
+    return _Tree(root[:, None], zeros, zeros, torch.ones(batch, 1, 1, dtype=torch.bool, device=root.device))
+
+
+@dataclass
+class _State:
+    """The requests still running, slot i of every tensor is ``rids[i]``."""
+
+    rids: list
+    target: _KV
+    draft: _KV | None
+    pending: torch.Tensor  # [B, a] last step's emitted tokens; the draft has not seen them, the target only the
+    pending_len: torch.Tensor  # [B]      ones before the last (the root of the next step)
+    n_out: torch.Tensor  # [B] completion tokens so far (CPU)
+
+    @property
+    def root(self) -> torch.Tensor:
+        return self.pending.gather(1, (self.pending_len - 1)[:, None])[:, 0]  # [B]
+
+    def select(self, keep: torch.Tensor) -> "_State":
+        rows = keep.nonzero()[:, 0]  # CPU
+        dev_rows = rows.to(self.pending.device)
+        self.target.select(dev_rows)
+        if self.draft is not None:
+            self.draft.select(dev_rows)
+        return _State(
+            [self.rids[i] for i in rows.tolist()], self.target, self.draft,
+            self.pending[dev_rows], self.pending_len[dev_rows], self.n_out[rows],
+        )
+
+
+def _choose(logits: torch.Tensor, sampling: SamplingSettings, generator: torch.Generator) -> torch.Tensor:
+    """The target's (or first token's) choice per position of ``logits [..., V]``."""
+    if sampling.temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / sampling.temperature, -1)
+    if sampling.top_p < 1:
+        sorted_p, idx = probs.sort(-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the top token always stays)
+        sorted_p = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p > sampling.top_p, 0)
+        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(logits.shape[:-1])
+
+
+def _pad(prompts: Sequence[torch.Tensor], side: str, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ids [B, P]`` and ``valid [B, P]`` for prompts of different lengths."""
+    width = max(p.numel() for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    valid = torch.zeros(len(prompts), width, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        cols = slice(0, p.numel()) if side == "right" else slice(width - p.numel(), width)
+        ids[i, cols] = p
+        valid[i, cols] = True
+    return ids.to(device), valid.to(device)
+
+
+def _prompt_block(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions ``[B, P]`` (counted over real tokens only) and causal visibility ``[B, P, P]`` for a padded prompt."""
+    positions = (valid.long().cumsum(1) - 1).clamp(min=0)
+    width = valid.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=valid.device).tril()
+    return positions, causal[None] & valid[:, None, :]
+
+
+class HFEngine:
+    """Drives a transformers causal LM (and optionally a draft model) and returns aligned samples."""
+
+    def __init__(
+        self,
+        model,
+        groups: Sequence[LayerGroup],
+        *,
+        draft_model=None,
+        spec: SpecSettings | None = None,
+        store_dtype: torch.dtype = torch.bfloat16,
+        padding_side: str = "right",
+    ):
+        if padding_side not in ("left", "right"):
+            raise HsxError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+        _check_supported(model, "target model")
+        _final_norm(model)
+        self.model = model.eval()
+        self.groups = list(groups)
+        self.shape = ModelShape.from_config(model.config)
+        self.device = next(model.parameters()).device
+        self.store_dtype = store_dtype
+        self.padding_side = padding_side
+        self.vocab_size = int(model.config.vocab_size)
+        self.draft_model = None if draft_model is None else draft_model.eval()
+        self.spec = None if draft_model is None else (spec or SpecSettings())
+        if draft_model is not None:
+            _check_supported(draft_model, "draft model")
+            if int(draft_model.config.vocab_size) != self.vocab_size:
+                raise HsxError(f"draft vocab {draft_model.config.vocab_size} != target vocab {self.vocab_size}")
+        elif spec is not None:
+            raise HsxError("speculative settings given without a draft model")
+        for g in self.groups:
+            bad = [s for s in g.sources if s != FINAL and not 0 <= s <= self.shape.num_layers]
+            if bad:
+                raise HsxError(f"layer group {g.name!r}: boundaries {bad} outside 0..{self.shape.num_layers}")
+
+    # ---- public entry points -------------------------------------------------------------
+
+    def prefill(self, requests: Sequence[tuple[object, torch.Tensor]]) -> list[AlignedSample]:
+        """Teacher-forced rows for every position of each sequence, one batched forward."""
+        rids, prompts = self._check_requests(requests)
+        if not rids:
+            return []
+        ids, valid = _pad(prompts, self.padding_side, self.device)  # [B, P]
+        positions, block = _prompt_block(valid)
+        with torch.inference_mode(), _PreNorm(self.model) as pre:
+            out = _forward(self.model, ids, positions, block, None, hidden=True)
+            cols = self._columns(out.hidden_states, pre.value)  # name -> [B, P, W]
+            return [
+                teacher_forced(prompts[i], {name: c[i][valid[i]] for name, c in cols.items()}, self.groups, self.store_dtype)
+                for i in range(len(rids))
+            ]
+
+    def generate(self, requests: Sequence[tuple[object, torch.Tensor]], sampling: SamplingSettings) -> list[AlignedSample]:
+        """Decode every request in one batch; samples come back in request order."""
+        rids, prompts = self._check_requests(requests)
+        if not rids:
+            return []
+        generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
+        collector = Collector(self.groups, self.store_dtype)
+        done: dict[object, AlignedSample] = {}
+        stride = 1 if self.spec is None else self.spec.num_draft_tokens
+        with torch.inference_mode():
+            state = self._start(rids, prompts, collector, sampling, generator)
+            state = self._retire(state, state.pending, state.pending_len, sampling, collector, done)
+            while state.rids:
+                tree = self._draft_tree(state) if self.draft_model is not None else _root_only(state.root)
+                emitted, accept_lens, hidden = self._verify(state, tree, sampling, generator)
+                collector.step(state.rids, hidden, emitted, accept_lens, stride)
+                state = self._retire(state, emitted, accept_lens, sampling, collector, done)
+        return [done[rid] for rid in rids]
+
+    # ---- steps ---------------------------------------------------------------------------
+
+    def _start(self, rids, prompts, collector, sampling, generator) -> _State:
+        """Prefill both models over the padded prompts; the target picks each request's first token."""
+        ids, valid = _pad(prompts, self.padding_side, self.device)  # [B, P]
+        positions, block = _prompt_block(valid)
+        target = _KV(self.model, len(rids), self.device)
+        with _PreNorm(self.model) as pre:
+            out = target.run(ids, positions, block, hidden=True)
+        target.commit(valid)
+        last = (valid.long() * torch.arange(valid.shape[1], device=self.device)).argmax(1)  # [B] last real slot
+        last_logits = out.logits[torch.arange(len(rids), device=self.device), last]  # [B, V]
+        first = _choose(last_logits, sampling, generator)  # [B]
+        cols = self._columns(out.hidden_states, pre.value)
+        first_list = first.tolist()
+        for i, rid in enumerate(rids):
+            collector.prefill(rid, prompts[i], {name: c[i][valid[i]] for name, c in cols.items()}, first_list[i])
+        draft = None
+        if self.draft_model is not None:
+            draft = _KV(self.draft_model, len(rids), self.device)
+            draft.run(ids, positions, block)
+            draft.commit(valid)
+        ones = torch.ones(len(rids), dtype=torch.long, device=self.device)
+        return _State(list(rids), target, draft, first[:, None], ones, torch.zeros(len(rids), dtype=torch.long))
+
+    def _draft_tree(self, state: _State) -> _Tree:
+        """Draft ``num_draft_tokens - 1`` nodes per request: expand the top-k frontier for num_steps levels
+        and keep the best nodes by cumulative draft log-prob (EAGLE / SGLang tree drafting)."""
+        k, steps, n = self.spec.topk, self.spec.num_steps, self.spec.num_draft_tokens
+        draft, model = state.draft, self.draft_model
+        batch, dev = len(state.rids), self.device
+
+        # 1) feed what the draft has not seen (last step's emitted tokens, root last) as one block
+        q = state.pending.shape[1]
+        pend_valid = torch.arange(q, device=dev)[None, :] < state.pending_len[:, None]  # [B, q]
+        causal = torch.ones(q, q, dtype=torch.bool, device=dev).tril()
+        out = draft.run(state.pending, draft.lengths[:, None] + torch.arange(q, device=dev), causal[None] & pend_valid[:, None, :])
+        draft.commit(pend_valid)
+        root_pos = draft.lengths - 1  # [B]
+        root_logits = out.logits[torch.arange(batch, device=dev), state.pending_len - 1]  # [B, V]
+
+        # 2) the node pool: root, topk children, then topk * topk candidates per deeper level
+        m = self.spec.pool_size
+        tok = torch.zeros(batch, m, dtype=torch.long, device=dev)
+        score = torch.zeros(batch, m, dtype=torch.float32, device=dev)  # cumulative draft log-prob
+        parent = torch.zeros(batch, m, dtype=torch.long, device=dev)
+        depth = torch.zeros(batch, m, dtype=torch.long, device=dev)
+        anc = torch.zeros(batch, m, m, dtype=torch.bool, device=dev)  # [B, M, M]
+        tok[:, 0], anc[:, 0, 0] = state.root, True
+
+        def add(start: int, tokens, scores, parents, level: int) -> torch.Tensor:
+            idx = torch.arange(start, start + tokens.shape[1], device=dev)
+            tok[:, idx], score[:, idx], parent[:, idx], depth[:, idx] = tokens, scores, parents, level
+            anc[:, idx] = anc.gather(1, parents[:, :, None].expand(-1, -1, m))
+            anc[:, idx, idx] = True
+            return idx
+
+        top = torch.log_softmax(root_logits.float(), -1).topk(k)  # [B, k]
+        frontier = add(1, top.indices, top.values, torch.zeros_like(top.indices), 1).expand(batch, k)  # [B, k]
+        fed = frontier[:, :0]  # pool nodes fed to the draft this step, in cache order
+        start = 1 + k
+        for level in range(2, steps + 1):
+            fed = torch.cat([fed, frontier], 1)  # [B, f]
+            block = anc.gather(1, frontier[:, :, None].expand(-1, -1, m)).gather(2, fed[:, None, :].expand(-1, k, -1))
+            positions = (root_pos[:, None] + level - 1).expand(-1, k)  # [B, k] the frontier sits at depth level - 1
+            out = draft.run(tok.gather(1, frontier), positions, block)
+            child = torch.log_softmax(out.logits.float(), -1).topk(k)  # [B, k, k]
+            cand_score = score.gather(1, frontier)[:, :, None] + child.values  # [B, k, k]
+            parents = frontier[:, :, None].expand(-1, -1, k).flatten(1)
+            add(start, child.indices.flatten(1), cand_score.flatten(1), parents, level)
+            frontier = start + cand_score.flatten(1).topk(k).indices  # [B, k]
+            start += k * k
+        if fed.shape[1]:
+            draft.commit(torch.zeros_like(fed, dtype=torch.bool))  # forget the guesses; accepted ones come back as pending
+
+        # 3) keep the best n - 1 nodes. A child's score never exceeds its parent's and the stable sort
+        # ranks earlier (shallower) pool entries first on ties, so the kept set contains its ancestors.
+        best = torch.sort(score[:, 1:], dim=1, descending=True, stable=True).indices[:, : n - 1] + 1
+        nodes = torch.cat([torch.zeros(batch, 1, dtype=torch.long, device=dev), best.sort(1).values], 1)  # [B, n]
+        slot_of = torch.full((batch, m), -1, dtype=torch.long, device=dev)
+        slot_of.scatter_(1, nodes, torch.arange(n, device=dev).expand(batch, n))
+        return _Tree(
+            tokens=tok.gather(1, nodes),
+            parents=slot_of.gather(1, parent.gather(1, nodes)),
+            depth=depth.gather(1, nodes),
+            anc=anc.gather(1, nodes[:, :, None].expand(-1, -1, m)).gather(2, nodes[:, None, :].expand(-1, n, -1)),
+        )
+
+    def _verify(self, state: _State, tree: _Tree, sampling, generator):
+        """One target forward over ``[root + drafts]``; returns emitted tokens ``[B, n]``, accept lengths
+        ``[B]`` and rows ``{name: [B * n, W]}``, each request's accepted path at the front of its stride."""
+        batch, n = tree.tokens.shape
+        target = state.target
+        positions = target.lengths[:, None] + tree.depth  # [B, n]
+        with _PreNorm(self.model) as pre:
+            out = target.run(tree.tokens, positions, tree.anc, hidden=True)
+        target_tok = _choose(out.logits, sampling, generator)  # [B, n] the target's next token after each node
+
+        # accept a node when it and every ancestor below the root is the target's choice at its parent;
+        # siblings carry distinct tokens, so the accepted nodes form one path from the root
+        match = tree.tokens == target_tok.gather(1, tree.parents)  # [B, n]
+        match[:, 0] = True
+        accepted = ~(tree.anc & ~match[:, None, :]).any(2)  # [B, n]
+        leaf = (tree.depth * accepted).argmax(1)  # [B] deepest accepted node (root when none)
+        accept_lens = tree.depth.gather(1, leaf[:, None])[:, 0] + 1  # [B] correct drafts + bonus
+        on_path = tree.anc[torch.arange(batch, device=self.device), leaf]  # [B, n]
+        # path first (root -> leaf), then the rejected nodes; rows and tokens are cut with this one index
+        key = torch.where(on_path, tree.depth, n + torch.arange(n, device=self.device))
+        path = key.argsort(1)  # [B, n]
+        emitted = target_tok.gather(1, path)  # [B, n] accepted drafts then the bonus token
+        cols = self._columns(out.hidden_states, pre.value)  # name -> [B, n, W]
+        hidden = {
+            name: c.gather(1, path[:, :, None].expand(-1, -1, c.shape[2])).reshape(batch * n, -1)
+            for name, c in cols.items()
+        }
+        target.commit(on_path)  # the target keeps exactly the root and the accepted drafts
+        return emitted, accept_lens, hidden
+
+    def _retire(self, state: _State, emitted, accept_lens, sampling, collector, done) -> _State:
+        """Count the step's emitted tokens, finish requests that hit a stop token or max_new_tokens."""
+        emitted_cpu, accept_cpu = emitted.cpu(), accept_lens.cpu()
+        stride = emitted_cpu.shape[1]
+        in_step = torch.arange(stride)[None, :] < accept_cpu[:, None]  # [B, stride]
+        stops = torch.tensor(sampling.stop_token_ids, dtype=torch.long)
+        is_stop = torch.isin(emitted_cpu, stops) & in_step
+        stop_len = state.n_out + is_stop.to(torch.uint8).argmax(1) + 1  # finished length if the first stop counts
+        has_stop = is_stop.any(1) & (stop_len <= sampling.max_new_tokens)
+        n_out = state.n_out + accept_cpu
+        finished = has_stop | (n_out >= sampling.max_new_tokens)
+        for i in finished.nonzero()[:, 0].tolist():
+            length, reason = (int(stop_len[i]), "stop") if has_stop[i] else (sampling.max_new_tokens, "length")
+            rid = state.rids[i]
+            done[rid] = collector.finish(rid, length, reason, speculative=self.draft_model is not None)
+        a_max = int(accept_cpu.max())
+        state = _State(state.rids, state.target, state.draft, emitted[:, :a_max], accept_lens, n_out)
+        return state.select(~finished) if bool(finished.any()) else state
+
+    # ---- helpers -------------------------------------------------------------------------
+
+    def _columns(self, hidden_states, pre_norm) -> dict[str, torch.Tensor]:
+        """Each group's ``[B, q, W]``: its sources concatenated along the width in the order given."""
+        num_layers = self.shape.num_layers
+        if hidden_states is None or len(hidden_states) != num_layers + 1:
+            got = None if hidden_states is None else len(hidden_states)
+            raise HsxError(f"model returned {got} hidden-state entries, expected num_layers + 1 = {num_layers + 1}")
+
+        def source(s):
+            if s == FINAL:
+                return hidden_states[num_layers]  # post-norm: transformers' last entry
+            return pre_norm if s == num_layers else hidden_states[s]
+
+        return {g.name: torch.cat([source(s) for s in g.sources], -1) for g in self.groups}
+
+    def _check_requests(self, requests) -> tuple[list, list[torch.Tensor]]:
+        rids = [rid for rid, _ in requests]
+        if len(set(rids)) != len(rids):
+            raise HsxError(f"request ids repeat in one batch: {rids}")
+        prompts = []
+        for rid, ids in requests:
+            ids = torch.as_tensor(ids).reshape(-1).to(torch.long).cpu()
+            if ids.numel() == 0:
+                raise HsxError(f"request {rid!r}: empty prompt (at least one token is needed)")
+            if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+                raise HsxError(f"request {rid!r}: token ids outside 0..{self.vocab_size - 1}")
+            prompts.append(ids)
+        return rids, prompts
+
+
+def load_hf_engine(
+    model_path: str,
+    layers: str | Sequence[LayerGroup] = "final",
+    *,
+    draft_path: str | None = None,
+    spec: SpecSettings | None = None,
+    eagle3_ids: Sequence[int] | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    store_dtype: torch.dtype = torch.bfloat16,
+    padding_side: str = "right",
+    trust_remote_code: bool = False,
+) -> HFEngine:
+    """Load a target (and optional draft) with ``AutoModelForCausalLM`` and build an :class:`HFEngine`."""
+    from transformers import AutoModelForCausalLM
+
+    def load(path):
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+        )
+        return model.to(device).eval()
+
+    model = load(model_path)
+    groups = parse_layers(layers, ModelShape.from_config(model.config), eagle3_ids) if isinstance(layers, str) else list(layers)
+    draft = None if draft_path is None else load(draft_path)
+    return HFEngine(model, groups, draft_model=draft, spec=spec, store_dtype=store_dtype, padding_side=padding_side)

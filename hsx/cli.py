@@ -96,6 +96,7 @@ def extract(
     model_dtype: Annotated[Optional[str], _opt("Compute dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16.")] = None,
     compression: Annotated[Optional[str], _opt("none (default) or zstd (smaller, slower).")] = None,
     max_shard_mb: Annotated[Optional[int], _opt("Close a shard at about this size (default 512).")] = None,
+    max_shard_samples: Annotated[Optional[int], _opt("Close a shard after this many samples (default 100000).")] = None,
     trust_remote_code: Annotated[Optional[bool], _opt("Allow model repositories to run their own code.", "--trust-remote-code")] = None,
     config: Annotated[Optional[Path], _opt("A TOML or JSON file with any of these options (command-line options win).")] = None,
     overwrite: Annotated[bool, _opt("Replace an existing output written with a different configuration.")] = False,
@@ -122,7 +123,9 @@ def main() -> None:
     try:
         app()
     except HsxError as e:
-        _fail(str(e))
+        # Outside a command typer.Exit is not turned into an exit status: exit here.
+        typer.secho(f"error: {e}", err=True, fg=typer.colors.RED)
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

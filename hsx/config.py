@@ -50,11 +50,12 @@ class ExtractConfig:
     # output layout
     compression: Literal["none", "zstd"] = "none"
     max_shard_mb: int = 512
+    max_shard_samples: int = 100_000
     # engine pass-through (sglang.Engine keyword arguments)
     engine_args: dict[str, Any] = field(default_factory=dict)
 
     # Fields that change neither which samples exist nor their values: a resumed run may differ in them.
-    _LAYOUT_ONLY = ("output", "limit", "batch_size", "max_shard_mb", "compression")
+    _LAYOUT_ONLY = ("output", "limit", "batch_size", "max_shard_mb", "max_shard_samples", "compression")
 
     def validate(self) -> "ExtractConfig":
         if not self.model:

@@ -146,7 +146,8 @@ def extract(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool = Tru
 
     summary = RunSummary(str(out))
     done = manifest.done_ids()
-    sink = ShardSink(out, manifest, compression=cfg.compression, max_shard_bytes=cfg.max_shard_mb << 20)
+    sink = ShardSink(out, manifest, compression=cfg.compression, max_shard_bytes=cfg.max_shard_mb << 20,
+                     max_shard_samples=cfg.max_shard_samples)
     bar = tqdm(total=len(rows), unit="sample", disable=not progress, dynamic_ncols=True)
 
     def prompts():

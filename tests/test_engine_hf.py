@@ -247,6 +247,16 @@ def test_stop_on_first_token(regime):
         check_oracle(target(arch), sample, eng.groups)
 
 
+@pytest.mark.parametrize("regime", [None, "same"])
+def test_one_new_token_has_no_decode_steps(regime):
+    eng = engine("llama", regime, TREE)
+    samples = eng.generate(prompts((1, 4)), SamplingSettings(max_new_tokens=1))
+    for sample, p in zip(samples, (1, 4)):
+        assert sample.input_ids.numel() == p + 1 and sample.num_rows == p and sample.finish_reason == "length"
+        assert sample.accept_lens is None if regime is None else sample.accept_lens.numel() == 0
+        check_oracle(target("llama"), sample, eng.groups)
+
+
 # ---- prefill mode ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("padding", ["right", "left"])

@@ -48,8 +48,9 @@ def build_tiny_qwen2(num_layers: int = 8, hidden_size: int = 128, vocab_size: in
 def make_layerskip_draft(target, num_layers: int = 2):
     """A draft made of the target's embeddings, first ``num_layers`` blocks, final norm and lm_head.
 
-    It shares the target's early computation, so it often agrees with the target: a draft with
-    real acceptance and no training.
+    It shares the target's early computation, so on a trained model it often agrees with the
+    target without any training. On a random tiny model every block moves the near-uniform logits,
+    so acceptance stays low; :func:`perturbed_copy` with a small scale gives real acceptance there.
     """
     total = target.config.num_hidden_layers
     if not 1 <= num_layers <= total:

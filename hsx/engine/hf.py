@@ -176,19 +176,49 @@ class _KV:
 
 @dataclass
 class _Tree:
-    """One step's draft tree per request, root (the last emitted token) at node 0, parents before children."""
+    """Draft trees, one per request, root (the last emitted token) at node 0, parents before children."""
 
     tokens: torch.Tensor  # [B, n]
     parents: torch.Tensor  # [B, n] node index; the root is its own parent
     depth: torch.Tensor  # [B, n]
     anc: torch.Tensor  # [B, n, n] bool: anc[b, i, j] = j is i or an ancestor of i
+    score: torch.Tensor  # [B, n] cumulative draft log-prob (0 at the root)
 
+    @staticmethod
+    def start(root: torch.Tensor, size: int) -> "_Tree":
+        """Room for ``size`` nodes, filled by :meth:`add`; ``size == 1`` is plain decoding's tree."""
+        batch, dev = root.shape[0], root.device
+        zeros = torch.zeros(batch, size, dtype=torch.long, device=dev)
+        tree = _Tree(zeros.clone(), zeros.clone(), zeros.clone(),
+                     torch.zeros(batch, size, size, dtype=torch.bool, device=dev), zeros.float())
+        tree.tokens[:, 0], tree.anc[:, 0, 0] = root, True
+        return tree
 
-def _root_only(root: torch.Tensor) -> _Tree:
-    """The tree of plain decoding: just the root, stride 1."""
-    batch = root.shape[0]
-    zeros = torch.zeros(batch, 1, dtype=torch.long, device=root.device)
-    return _Tree(root[:, None], zeros, zeros, torch.ones(batch, 1, 1, dtype=torch.bool, device=root.device))
+    def add(self, start: int, tokens, scores, parents, level: int) -> torch.Tensor:
+        """Fill nodes ``start, start + 1, ...`` with children of ``parents [B, c]``; returns their indices."""
+        idx = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        self.tokens[:, idx], self.score[:, idx], self.parents[:, idx], self.depth[:, idx] = tokens, scores, parents, level
+        self.anc[:, idx] = self.anc.gather(1, parents[:, :, None].expand(-1, -1, self.anc.shape[2]))
+        self.anc[:, idx, idx] = True
+        return idx
+
+    def visibility(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """``[B, q, k]``: which of the nodes ``keys [B, k]`` each node of ``queries [B, q]`` descends from (or is)."""
+        rows = self.anc.gather(1, queries[:, :, None].expand(-1, -1, self.anc.shape[2]))  # [B, q, M]
+        return rows.gather(2, keys[:, None, :].expand(-1, queries.shape[1], -1))
+
+    def subtree(self, nodes: torch.Tensor) -> "_Tree":
+        """The nodes ``[B, n]`` (ancestor-closed, root first), renumbered 0..n-1."""
+        batch, n = nodes.shape
+        slot_of = torch.full(self.tokens.shape, -1, dtype=torch.long, device=nodes.device)
+        slot_of.scatter_(1, nodes, torch.arange(n, device=nodes.device).expand(batch, n))
+        return _Tree(
+            self.tokens.gather(1, nodes),
+            slot_of.gather(1, self.parents.gather(1, nodes)),
+            self.depth.gather(1, nodes),
+            self.visibility(nodes, nodes),
+            self.score.gather(1, nodes),
+        )
 
 
 @dataclass
@@ -198,8 +228,10 @@ class _State:
     rids: list
     target: _KV
     draft: _KV | None
-    pending: torch.Tensor  # [B, a] last step's emitted tokens; the draft has not seen them, the target only the
-    pending_len: torch.Tensor  # [B]      ones before the last (the root of the next step)
+    # last step's emitted tokens (first pending_len per row): the draft has seen none of them, the
+    # target all but the last one, which is the root of the next step
+    pending: torch.Tensor  # [B, a]
+    pending_len: torch.Tensor  # [B]
     n_out: torch.Tensor  # [B] completion tokens so far (CPU)
 
     @property
@@ -319,7 +351,7 @@ class HFEngine:
             state = self._start(rids, prompts, collector, sampling, generator)
             state = self._retire(state, state.pending, state.pending_len, sampling, collector, done)
             while state.rids:
-                tree = self._draft_tree(state) if self.draft_model is not None else _root_only(state.root)
+                tree = self._draft_tree(state) if self.draft_model is not None else _Tree.start(state.root, 1)
                 emitted, accept_lens, hidden = self._verify(state, tree, sampling, generator)
                 collector.step(state.rids, hidden, emitted, accept_lens, stride)
                 state = self._retire(state, emitted, accept_lens, sampling, collector, done)
@@ -353,65 +385,44 @@ class HFEngine:
     def _draft_tree(self, state: _State) -> _Tree:
         """Draft ``num_draft_tokens - 1`` nodes per request: expand the top-k frontier for num_steps levels
         and keep the best nodes by cumulative draft log-prob (EAGLE / SGLang tree drafting)."""
-        k, steps, n = self.spec.topk, self.spec.num_steps, self.spec.num_draft_tokens
-        draft, model = state.draft, self.draft_model
-        batch, dev = len(state.rids), self.device
-
-        # 1) feed what the draft has not seen (last step's emitted tokens, root last) as one block
-        q = state.pending.shape[1]
-        pend_valid = torch.arange(q, device=dev)[None, :] < state.pending_len[:, None]  # [B, q]
-        causal = torch.ones(q, q, dtype=torch.bool, device=dev).tril()
-        out = draft.run(state.pending, draft.lengths[:, None] + torch.arange(q, device=dev), causal[None] & pend_valid[:, None, :])
-        draft.commit(pend_valid)
+        k, n = self.spec.topk, self.spec.num_draft_tokens
+        draft = state.draft
+        root_logits = self._draft_catch_up(state)  # [B, V]
         root_pos = draft.lengths - 1  # [B]
-        root_logits = out.logits[torch.arange(batch, device=dev), state.pending_len - 1]  # [B, V]
-
-        # 2) the node pool: root, topk children, then topk * topk candidates per deeper level
-        m = self.spec.pool_size
-        tok = torch.zeros(batch, m, dtype=torch.long, device=dev)
-        score = torch.zeros(batch, m, dtype=torch.float32, device=dev)  # cumulative draft log-prob
-        parent = torch.zeros(batch, m, dtype=torch.long, device=dev)
-        depth = torch.zeros(batch, m, dtype=torch.long, device=dev)
-        anc = torch.zeros(batch, m, m, dtype=torch.bool, device=dev)  # [B, M, M]
-        tok[:, 0], anc[:, 0, 0] = state.root, True
-
-        def add(start: int, tokens, scores, parents, level: int) -> torch.Tensor:
-            idx = torch.arange(start, start + tokens.shape[1], device=dev)
-            tok[:, idx], score[:, idx], parent[:, idx], depth[:, idx] = tokens, scores, parents, level
-            anc[:, idx] = anc.gather(1, parents[:, :, None].expand(-1, -1, m))
-            anc[:, idx, idx] = True
-            return idx
-
+        pool = _Tree.start(state.root, self.spec.pool_size)
         top = torch.log_softmax(root_logits.float(), -1).topk(k)  # [B, k]
-        frontier = add(1, top.indices, top.values, torch.zeros_like(top.indices), 1).expand(batch, k)  # [B, k]
-        fed = frontier[:, :0]  # pool nodes fed to the draft this step, in cache order
+        frontier = pool.add(1, top.indices, top.values, torch.zeros_like(top.indices), 1).expand(len(state.rids), k)
+        fed = frontier[:, :0]  # [B, f] pool nodes fed to the draft this step, in cache order
         start = 1 + k
-        for level in range(2, steps + 1):
-            fed = torch.cat([fed, frontier], 1)  # [B, f]
-            block = anc.gather(1, frontier[:, :, None].expand(-1, -1, m)).gather(2, fed[:, None, :].expand(-1, k, -1))
+        for level in range(2, self.spec.num_steps + 1):
+            fed = torch.cat([fed, frontier], 1)
             positions = (root_pos[:, None] + level - 1).expand(-1, k)  # [B, k] the frontier sits at depth level - 1
-            out = draft.run(tok.gather(1, frontier), positions, block)
+            out = draft.run(pool.tokens.gather(1, frontier), positions, pool.visibility(frontier, fed))
             child = torch.log_softmax(out.logits.float(), -1).topk(k)  # [B, k, k]
-            cand_score = score.gather(1, frontier)[:, :, None] + child.values  # [B, k, k]
-            parents = frontier[:, :, None].expand(-1, -1, k).flatten(1)
-            add(start, child.indices.flatten(1), cand_score.flatten(1), parents, level)
-            frontier = start + cand_score.flatten(1).topk(k).indices  # [B, k]
+            child_score = pool.score.gather(1, frontier)[:, :, None] + child.values  # [B, k, k]
+            parents = frontier[:, :, None].expand(-1, -1, k).flatten(1)  # [B, k * k]
+            pool.add(start, child.indices.flatten(1), child_score.flatten(1), parents, level)
+            frontier = start + child_score.flatten(1).topk(k).indices  # [B, k] best candidates go deeper
             start += k * k
         if fed.shape[1]:
             draft.commit(torch.zeros_like(fed, dtype=torch.bool))  # forget the guesses; accepted ones come back as pending
+        # keep the best n - 1 nodes. A child's score never exceeds its parent's and the stable sort ranks
+        # earlier (shallower) pool entries first on ties, so the kept set contains its ancestors.
+        best = torch.sort(pool.score[:, 1:], dim=1, descending=True, stable=True).indices[:, : n - 1] + 1
+        root = torch.zeros_like(best[:, :1])
+        return pool.subtree(torch.cat([root, best.sort(1).values], 1))  # [B, n] nodes in pool (depth) order
 
-        # 3) keep the best n - 1 nodes. A child's score never exceeds its parent's and the stable sort
-        # ranks earlier (shallower) pool entries first on ties, so the kept set contains its ancestors.
-        best = torch.sort(score[:, 1:], dim=1, descending=True, stable=True).indices[:, : n - 1] + 1
-        nodes = torch.cat([torch.zeros(batch, 1, dtype=torch.long, device=dev), best.sort(1).values], 1)  # [B, n]
-        slot_of = torch.full((batch, m), -1, dtype=torch.long, device=dev)
-        slot_of.scatter_(1, nodes, torch.arange(n, device=dev).expand(batch, n))
-        return _Tree(
-            tokens=tok.gather(1, nodes),
-            parents=slot_of.gather(1, parent.gather(1, nodes)),
-            depth=depth.gather(1, nodes),
-            anc=anc.gather(1, nodes[:, :, None].expand(-1, -1, m)).gather(2, nodes[:, None, :].expand(-1, n, -1)),
-        )
+    def _draft_catch_up(self, state: _State) -> torch.Tensor:
+        """Feed the draft what it has not seen (last step's emitted tokens, root last) as one block;
+        returns its logits after the root ``[B, V]``."""
+        draft, dev = state.draft, self.device
+        q = state.pending.shape[1]
+        pend_valid = torch.arange(q, device=dev)[None, :] < state.pending_len[:, None]  # [B, q]
+        causal = torch.ones(q, q, dtype=torch.bool, device=dev).tril()
+        positions = draft.lengths[:, None] + torch.arange(q, device=dev)  # [B, q]
+        out = draft.run(state.pending, positions, causal[None] & pend_valid[:, None, :])
+        draft.commit(pend_valid)
+        return out.logits[torch.arange(len(state.rids), device=dev), state.pending_len - 1]
 
     def _verify(self, state: _State, tree: _Tree, sampling, generator):
         """One target forward over ``[root + drafts]``; returns emitted tokens ``[B, n]``, accept lengths

@@ -85,9 +85,16 @@ def read_metadata(schema: pa.Schema, where: str) -> dict:
         meta = json.loads(raw)
     except ValueError as e:
         raise ShardError(f"{where}: hsx metadata is not valid JSON ({e})") from None
-    version = meta.get("format_version")
+    version = meta.get("format_version") if isinstance(meta, dict) else None
     if version != FORMAT_VERSION:
         raise ShardError(f"{where}: shard format version {version!r}; this hsx reads version {FORMAT_VERSION}")
+    try:
+        # Readers index these fields without further checks: a shard whose metadata lacks them
+        # (or holds values of the wrong kind) is rejected here, with the file named.
+        schema_for(meta)
+        expected_rows(np.zeros(0, dtype=np.int64), meta["mode"])
+    except (KeyError, TypeError, ValueError, pa.ArrowException, ShardError) as e:
+        raise ShardError(f"{where}: malformed hsx metadata ({type(e).__name__}: {e})") from None
     return meta
 
 

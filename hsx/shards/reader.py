@@ -104,8 +104,12 @@ def load_shard(path: Path, entry: ShardEntry | None) -> _Shard:
 
 def check_schema(schema: pa.Schema, meta: dict, where: str) -> None:
     expected = fmt.schema_for(meta)
+    try:
+        names = set(schema.names)
+    except UnicodeDecodeError:
+        raise ShardError(f"{where}: column names in the Parquet footer are not valid UTF-8 (corrupt footer)") from None
     for f in expected:
-        got = schema.field(f.name) if f.name in schema.names else None
+        got = schema.field(f.name) if f.name in names else None
         if got is None:
             raise ShardError(f"{where}: column {f.name!r} is missing")
         if not got.type.equals(f.type):

@@ -87,6 +87,7 @@ def _check_finite(table: pa.Table, meta: dict, ids: list[str]) -> list[str]:
     faults = []
     dtype = fmt.dtype_of(meta["dtype"])
     for g in meta["layers"]:
+        first_row = 0  # table row of the chunk's first sample (one chunk per row group)
         for chunk in table.column(g["name"]).chunks:
             offs = chunk.offsets.to_numpy()
             block = fmt.block_view(chunk.values, int(offs[0]), int(offs[-1]), g["width"], dtype)
@@ -94,8 +95,9 @@ def _check_finite(table: pa.Table, meta: dict, ids: list[str]) -> list[str]:
             if not finite.all():
                 row = int(np.flatnonzero(~finite)[0])
                 owner = int(np.searchsorted(offs, int(offs[0]) + row, side="right")) - 1
-                faults.append(f"column {g['name']!r}: {int((~finite).sum())} rows with NaN/Inf "
-                              f"(first in sample {chunk.offset + owner}, position {int(offs[0]) + row - offs[owner]})")
+                faults.append(f"column {g['name']!r}: {int((~finite).sum())} rows with NaN/Inf (first in sample "
+                              f"{ids[first_row + owner]!r}, position {int(offs[0]) + row - offs[owner]})")
+            first_row += len(chunk)
     return faults
 
 

@@ -46,7 +46,7 @@ BAD_ROWS = [
     ({"id": "bad-role", "messages": [{"role": "wizard", "content": "hi"}]}, "role"),
     ({"id": "bad-type", "messages": "not a list"}, "list"),
     ({"id": "bad-missing"}, "missing"),
-    ({"id": "bad-long", "text": "word " * 400}, "long"),
+    ({"id": "bad-long", "text": "word " * 400}, "max_length"),
 ]
 
 

@@ -1,0 +1,244 @@
+"""Write hsx shards in SpecForge's offline EAGLE3 layout.
+
+    DST/
+      rows_0-2000/data_0.ckpt ... data_1999.ckpt     one torch.save dict per sample
+      rows_2000-4000/data_2000.ckpt ...
+      vocab_mapping/vocab_mapping.pt                 {"d2t": int64 [D], "t2d": bool [V]}
+      hsx_index.jsonl                                file -> shard sample id, one line per file
+      hsx_export.json                                source, layers, alignment, vocab sizes
+
+Each ``data_{i}.ckpt`` holds ``input_ids`` [T] int64, ``loss_mask`` [T] int64,
+``hidden_state`` [1, T, H] bfloat16 (final-norm output) and ``aux_hidden_state`` [1, T, 3H]
+bfloat16, exactly as SpecForge's ``prepare_hidden_states.py`` writes them and its
+``OfflineManifestReader`` / ``normalize_offline_sample`` read them; the tensors are those of
+:class:`hsx.eagle3.Eagle3Dataset` (alignment and the generate-mode rule are documented there).
+Sample i is the i-th sample of the shards in manifest order.
+
+Files are written under a hidden temp name and renamed, so a file with a final name is whole.
+A re-run skips files that load (``weights_only``) with the right keys, shapes, dtypes, tokens and
+loss mask, and rewrites anything else; leftover temp files are removed. Paths are built from
+indices only, so sample ids never reach the file system. A destination exported from different
+shards (other metadata) is refused rather than mixed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from hsx.eagle3.dataset import Eagle3Dataset, load_draft_config
+from hsx.eagle3.vocab import count_loss_tokens, vocab_mapping
+from hsx.errors import HsxError
+
+GROUP = 2000  # files per rows_* directory, SpecForge's default --file-group-size
+INDEX = "hsx_index.jsonl"
+INFO = "hsx_export.json"
+VOCAB = Path("vocab_mapping") / "vocab_mapping.pt"
+KEYS = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
+
+
+@dataclass
+class ExportSummary:
+    dst: str
+    samples: int
+    written: int  # new files and replaced ones
+    skipped: int  # complete files left untouched
+    replaced: int  # files present but incomplete or different, rewritten
+    tokens: int
+    bytes_written: int
+    draft_vocab_size: int
+    target_vocab_size: int
+    vocab_coverage: float  # share of learned-token occurrences inside the draft vocabulary
+
+
+def relative_path(index: int) -> Path:
+    g = index // GROUP * GROUP
+    return Path(f"rows_{g}-{g + GROUP}") / f"data_{index}.ckpt"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, write) -> int:
+    """Write through ``write(file)`` to a temp file beside ``path``, fsync, rename; returns bytes."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        size = tmp.stat().st_size
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return size
+
+
+def _inside(dst: Path, path: Path) -> Path:
+    """``path`` (under ``dst``) with no symlink on the way: writes must stay inside DST."""
+    rel = path.relative_to(dst)
+    p = dst
+    for part in rel.parts:
+        p = p / part
+        if p.is_symlink():
+            raise HsxError(f"{p} is a symbolic link; refusing to write through it (export into a fresh directory)")
+    return path
+
+
+def _is_complete(path: Path, want: dict) -> bool:
+    """Whether ``path`` already holds ``want``'s sample: loads safely, same keys, shapes, dtypes, ids, mask."""
+    try:
+        got = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # truncated, corrupt, not a torch file: rewritten
+        return False
+    if not isinstance(got, dict) or set(got) != set(KEYS):
+        return False
+    for k in KEYS:
+        g, w = got[k], want[k]
+        if not isinstance(g, torch.Tensor) or g.dtype != w.dtype or g.shape != w.shape:
+            return False
+    return torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["loss_mask"], want["loss_mask"])
+
+
+def _source_fingerprint(metadata: dict) -> str:
+    return hashlib.sha256(json.dumps(metadata, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _target_vocab_size(metadata: dict, draft: dict | None, given: int | None) -> tuple[int, str]:
+    if given is not None:
+        return int(given), "given"
+    if draft and draft.get("vocab_size"):
+        return int(draft["vocab_size"]), "draft config vocab_size"
+    path = (metadata.get("model") or {}).get("path")
+    if path and (Path(path) / "config.json").is_file():
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        cfg = cfg.get("text_config") or cfg
+        if cfg.get("vocab_size"):
+            return int(cfg["vocab_size"]), f"{path}/config.json vocab_size"
+    raise HsxError(
+        f"cannot tell the target vocabulary size: the shards' model path {path!r} has no readable config.json; "
+        "pass a draft config with vocab_size (or target_vocab_size)"
+    )
+
+
+def _clean_temps(dst: Path) -> None:
+    for d in [dst, dst / VOCAB.parent, *dst.glob("rows_*")]:
+        if d.is_dir() and not d.is_symlink():
+            for tmp in d.glob(".*.tmp-*"):
+                if tmp.is_file() and not tmp.is_symlink():
+                    tmp.unlink()
+
+
+def export_specforge(src: str | Path, dst: str | Path, *, draft_vocab_size: int | None = None,
+                     draft_config: str | Path | Mapping | None = None, target_vocab_size: int | None = None,
+                     progress: bool = True) -> ExportSummary:
+    """Export the shards at ``src`` to SpecForge's offline layout at ``dst`` (see the module docstring).
+
+    ``draft_config`` (a dict, config.json or its directory) is checked against the shards' widths
+    and eagle3 boundaries and supplies ``draft_vocab_size`` and the target ``vocab_size`` when
+    they are not given; without it the target vocabulary size comes from the model's config.json
+    at the shards' ``model.path``, and the draft vocabulary defaults to the whole target vocabulary.
+    """
+    from tqdm import tqdm
+
+    draft = load_draft_config(draft_config)
+    ds = Eagle3Dataset(src, draft)
+    meta = ds.shards.metadata
+    vocab_size, vocab_from = _target_vocab_size(meta, draft, target_vocab_size)
+    if draft_vocab_size is None:
+        draft_vocab_size = int(draft.get("draft_vocab_size") or vocab_size) if draft else vocab_size
+    if not 1 <= draft_vocab_size <= vocab_size:
+        raise HsxError(f"--draft-vocab-size must be in 1..{vocab_size} (target vocabulary, {vocab_from}), got {draft_vocab_size}")
+
+    dst = Path(dst)
+    if dst.is_symlink():
+        raise HsxError(f"{dst} is a symbolic link; give the real directory")
+    dst.mkdir(parents=True, exist_ok=True)
+    fingerprint = _source_fingerprint(meta)
+    info_path = dst / INFO
+    if info_path.exists():
+        try:
+            old = json.loads(info_path.read_text())
+        except json.JSONDecodeError:
+            old = {}
+        if old.get("source_fingerprint") != fingerprint:
+            raise HsxError(f"{dst} holds an export of other shards (source {old.get('source')!r}); export into a new directory")
+    elif any(p.name.startswith("rows_") for p in dst.iterdir()):
+        raise HsxError(f"{dst} holds rows_* directories but no {INFO}: not an hsx export; export into a new directory")
+    info = {
+        "format": "specforge-offline-eagle3", "writer": "hsx", "complete": False, "source": str(Path(src).resolve()),
+        "source_fingerprint": fingerprint, "config_hash": meta.get("config_hash"), "mode": ds.layout.mode,
+        "model": meta.get("model"), "stored_dtype": ds.layout.stored_dtype,
+        "aux_boundaries": list(ds.layout.aux_boundaries), "hidden_size": ds.layout.hidden_size,
+        "alignment": "row t = state after consuming token t (aux_hidden_state and hidden_state); "
+                     + ("generate mode: the last token (no state) is dropped, T = N-1" if ds.layout.mode == "generate"
+                        else "prefill mode: T = N"),
+        "draft_vocab_size": draft_vocab_size, "target_vocab_size": vocab_size, "target_vocab_size_from": vocab_from,
+        "files_per_directory": GROUP,
+    }
+    _atomic_write(info_path, lambda f: f.write(json.dumps(info, indent=1).encode()))
+    _clean_temps(dst)
+
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    index_lines, written, skipped, replaced, tokens, nbytes = [], 0, 0, 0, 0, 0
+    for i in tqdm(range(len(ds)), desc="export specforge", unit="sample", disable=not progress):
+        shard_sample = ds.shards[i]
+        sample = ds[i]
+        # vocabulary counts over every stored token, the generate-mode last one included
+        counts += count_loss_tokens([(shard_sample.input_ids, shard_sample.loss_mask)], vocab_size)
+        for key in ("aux_hidden_state", "hidden_state"):
+            if not torch.isfinite(sample[key]).all():
+                raise HsxError(f"sample {sample['sample_id']!r}: non-finite values in {key}; not exported")
+        # clone: the states are views into a shard's buffer, and torch.save writes whole storages
+        record = {
+            "input_ids": sample["input_ids"].clone(),
+            "loss_mask": sample["loss_mask"].clone(),
+            "hidden_state": sample["hidden_state"].clone().unsqueeze(0),  # [1, T, H]
+            "aux_hidden_state": sample["aux_hidden_state"].clone().unsqueeze(0),  # [1, T, 3H]
+        }
+        rel = relative_path(i)
+        path = dst / rel
+        _inside(dst, path.parent).mkdir(exist_ok=True)
+        _inside(dst, path)
+        if path.exists() and _is_complete(path, record):
+            skipped += 1
+        else:
+            replaced += path.exists()
+            nbytes += _atomic_write(path, lambda f: torch.save(record, f))
+            written += 1
+        t = len(record["input_ids"])
+        tokens += t
+        index_lines.append(json.dumps({"index": i, "file": rel.as_posix(), "sample_id": sample["sample_id"],
+                                       "source_index": shard_sample.source_index, "tokens": t,
+                                       "shard_tokens": len(shard_sample.input_ids)}))
+
+    d2t, t2d = vocab_mapping(counts, draft_vocab_size)
+    _inside(dst, dst / VOCAB.parent).mkdir(exist_ok=True)
+    vocab_path = _inside(dst, dst / VOCAB)
+    old = None
+    if vocab_path.exists():
+        try:
+            old = torch.load(vocab_path, map_location="cpu", weights_only=True)
+        except Exception:
+            old = None
+    if not (isinstance(old, dict) and set(old) == {"d2t", "t2d"} and torch.equal(old["d2t"], d2t) and torch.equal(old["t2d"], t2d)):
+        _atomic_write(vocab_path, lambda f: torch.save({"d2t": d2t, "t2d": t2d}, f))
+    _atomic_write(_inside(dst, dst / INDEX), lambda f: f.write("".join(line + "\n" for line in index_lines).encode()))
+    total = int(counts.sum())
+    coverage = float(counts[t2d].sum()) / total if total else 0.0
+    info.update(complete=True, samples=len(ds), tokens=tokens, vocab_coverage=coverage)
+    _atomic_write(info_path, lambda f: f.write(json.dumps(info, indent=1).encode()))
+    return ExportSummary(str(dst), len(ds), written, skipped, replaced, tokens, nbytes, draft_vocab_size, vocab_size, coverage)

@@ -119,6 +119,23 @@ def extract(
     typer.echo(format_run(summary))
 
 
+@export_app.command("specforge")
+def export_specforge(
+    src: PathArg,
+    dst: Annotated[Path, typer.Argument(help="Output directory for SpecForge's offline EAGLE3 layout.")],
+    draft_vocab_size: Annotated[Optional[int], _opt("Draft vocabulary size for vocab_mapping.pt (default: the draft config's, else the whole target vocabulary).")] = None,
+    draft_config: Annotated[Optional[Path], _opt("The draft's config.json (or its directory): checked against the shards' widths and eagle3 layers.")] = None,
+    quiet: Annotated[bool, _opt("No progress bar.", "--quiet", "-q")] = False,
+) -> None:
+    """Write SpecForge offline EAGLE3 files (rows_*/data_*.ckpt, vocab_mapping/vocab_mapping.pt); resumable."""
+    from hsx.eagle3.export import export_specforge as run_export
+
+    s = run_export(src, dst, draft_vocab_size=draft_vocab_size, draft_config=draft_config, progress=not quiet)
+    typer.echo(f"{s.dst}: {s.samples} samples, {s.tokens:,} tokens; {s.written} file(s) written "
+               f"({s.replaced} replaced), {s.skipped} already complete; draft vocab {s.draft_vocab_size} of "
+               f"{s.target_vocab_size} covers {s.vocab_coverage:.1%} of learned tokens")
+
+
 def main() -> None:
     try:
         app()

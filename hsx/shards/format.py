@@ -102,6 +102,8 @@ def encode_rows(parts: list[torch.Tensor], width: int, dtype: torch.dtype) -> pa
     """``[rows_i, W]`` tensors (one per sample) -> one ``list<fixed_size_binary>`` Arrow array.
 
     The only copy is the concatenation into one contiguous buffer that Arrow then wraps as is.
+    It is a plain single-threaded byte copy (numpy), not ``torch.cat``: torch's multi-threaded copy
+    stalls badly when another process holds one of the cores, and the copy is memory-bound anyway.
     """
     nbytes = width * torch.empty((), dtype=dtype).element_size()
     lengths = np.fromiter((p.shape[0] for p in parts), dtype=np.int32, count=len(parts))
@@ -110,8 +112,8 @@ def encode_rows(parts: list[torch.Tensor], width: int, dtype: torch.dtype) -> pa
     for p in parts:
         if p.dtype != dtype or p.dim() != 2 or p.shape[1] != width:
             raise ShardError(f"hidden rows of shape {tuple(p.shape)} {p.dtype}; column expects [rows, {width}] {dtype}")
-    flat = torch.cat(parts) if parts else torch.empty((0, width), dtype=dtype)  # [sum rows, W]
-    raw = flat.contiguous().view(torch.uint8).numpy().reshape(-1)  # bit pattern, no conversion
+    chunks = [p.contiguous().view(torch.uint8).numpy().reshape(-1) for p in parts if p.numel()]
+    raw = np.concatenate(chunks) if chunks else np.zeros(0, np.uint8)  # [sum rows * W * itemsize] bit pattern
     values = pa.FixedSizeBinaryArray.from_buffers(pa.binary(nbytes), int(offsets[-1]), [None, pa.py_buffer(raw)])
     return pa.ListArray.from_arrays(pa.array(offsets), values)
 

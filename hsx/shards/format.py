@@ -15,11 +15,14 @@ from typing import Mapping
 import numpy as np
 import pyarrow as pa
 import torch
+import xxhash
 
 from hsx.errors import ShardError
 
 FORMAT_VERSION = 1
 METADATA_KEY = b"hsx"
+# xxh3-64 of the metadata bytes: Parquet footers carry no checksum, so the metadata checks itself.
+METADATA_CHECKSUM_KEY = b"hsx.xxh3_64"
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -65,7 +68,8 @@ def schema_for(metadata: Mapping) -> pa.Schema:
     fields = list(BASE_FIELDS)
     for g in metadata["layers"]:
         fields.append(pa.field(g["name"], hidden_type(g["width"], metadata["dtype"]), nullable=False))
-    return pa.schema(fields, metadata={METADATA_KEY: json.dumps(metadata, sort_keys=True).encode()})
+    blob = json.dumps(metadata, sort_keys=True).encode()
+    return pa.schema(fields, metadata={METADATA_KEY: blob, METADATA_CHECKSUM_KEY: xxhash.xxh3_64_hexdigest(blob).encode()})
 
 
 def expected_rows(num_tokens: np.ndarray, mode: str) -> np.ndarray:
@@ -81,6 +85,9 @@ def read_metadata(schema: pa.Schema, where: str) -> dict:
     raw = (schema.metadata or {}).get(METADATA_KEY)
     if raw is None:
         raise ShardError(f"{where}: no hsx metadata in the Parquet footer; not an hsx shard")
+    digest = (schema.metadata or {}).get(METADATA_CHECKSUM_KEY)
+    if digest != xxhash.xxh3_64_hexdigest(raw).encode():
+        raise ShardError(f"{where}: hsx metadata does not match its checksum {digest!r} (corrupt footer)")
     try:
         meta = json.loads(raw)
     except ValueError as e:

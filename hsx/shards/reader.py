@@ -263,7 +263,12 @@ class ShardDataset:
                 ids = chunk_ids.values.to_numpy()
                 tok.append(ids[np.repeat(ids_off[:-1], lens) + p])
         keep = np.concatenate(owner) >= 0 if owner else np.zeros(0, bool)
-        h = hidden[0] if len(hidden) == 1 else torch.cat(hidden) if hidden else torch.empty((0, width), dtype=dtype)
+        if len(hidden) == 1:
+            h = hidden[0]  # one row group: a zero-copy view
+        else:  # a single-threaded byte copy: torch.cat's threaded copy stalls on a busy machine
+            parts = [t.view(torch.uint8).numpy().reshape(-1) for t in hidden if t.numel()]
+            raw = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+            h = torch.from_numpy(raw).view(dtype).view(-1, width)
         cat = lambda xs: torch.from_numpy(np.concatenate(xs).astype(np.int64)) if xs else torch.zeros(0, dtype=torch.int64)
         sample_index, position, token_id = cat(owner), cat(pos), cat(tok)
         if not keep.all():

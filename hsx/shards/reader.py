@@ -268,7 +268,7 @@ class ShardDataset:
         else:  # a single-threaded byte copy: torch.cat's threaded copy stalls on a busy machine
             parts = [t.view(torch.uint8).numpy().reshape(-1) for t in hidden if t.numel()]
             raw = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
-            h = torch.from_numpy(raw).view(dtype).view(-1, width)
+            h = torch.from_numpy(raw).view(dtype).view(-1, width) if raw.size else torch.empty((0, width), dtype=dtype)
         cat = lambda xs: torch.from_numpy(np.concatenate(xs).astype(np.int64)) if xs else torch.zeros(0, dtype=torch.int64)
         sample_index, position, token_id = cat(owner), cat(pos), cat(tok)
         if not keep.all():

@@ -13,7 +13,7 @@ import torch
 
 from hsx.errors import ShardError
 from hsx.shards import format as fmt
-from hsx.shards.manifest import MANIFEST, Manifest, ShardEntry, load_manifest
+from hsx.shards.manifest import CONFIG, MANIFEST, Manifest, ShardEntry, load_manifest
 from hsx.shards.reader import load_shard
 
 
@@ -114,7 +114,7 @@ def verify(path: str | Path) -> VerifyReport:
         report.faults.append(str(e))
         return report
     report.errors = len(m.errors)
-    named = {s.file for s in m.shards} | {MANIFEST}
+    named = {s.file for s in m.shards} | {MANIFEST, CONFIG}
     report.ignored = sorted(p.name for p in path.iterdir() if p.is_file() and p.name not in named)
     seen: set[str] = set()
     for entry in m.shards:

@@ -25,7 +25,7 @@ class RunSummary:
     output: str
     samples: int = 0  # written by this run
     resumed: int = 0  # already in the output (written or recorded as errors) and skipped
-    errors: int = 0  # bad-input records made by this run
+    errors: int = 0  # error records made by this run (bad input, or a sample the engine gave up on)
     tokens: int = 0
     completion_tokens: int = 0
     rows: int = 0
@@ -178,12 +178,16 @@ def extract(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool = Tru
     try:
         for batch in _batches(prompts(), cfg.batch_size):
             for prompt, sample in zip(batch, engine.run(batch)):
+                if isinstance(sample, SampleError):  # an engine may give up on one sample and go on
+                    sink.add_error(prompt.sample_id, prompt.source_index, sample.reason)
+                    summary.errors += 1
+                    continue
                 completion = sample.input_ids.numel() - sample.prompt_len
                 loss_mask = torch.tensor(prompt.loss_mask, dtype=torch.uint8)
                 if cfg.mode == "generate":
                     loss_mask = torch.cat([loss_mask, torch.ones(completion, dtype=torch.uint8)])
                 sink.add(Record(prompt.sample_id, prompt.source_index, sample.input_ids, sample.prompt_len, loss_mask,
-                                sample.finish_reason, sample.hidden, sample.accept_lens))
+                                sample.finish_reason, sample.hidden, sample.accept_lens, sample.verify_steps))
                 summary.samples += 1
                 summary.tokens += sample.input_ids.numel()
                 summary.completion_tokens += completion
@@ -191,6 +195,9 @@ def extract(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool = Tru
                 if sample.accept_lens is not None:
                     summary.verify_steps += sample.accept_lens.numel()
                     summary.accepted += int(sample.accept_lens.sum())
+                elif sample.verify_steps:  # count only: every completion token after the first came from a step
+                    summary.verify_steps += sample.verify_steps
+                    summary.accepted += completion - 1
             bar.update(len(batch))
             elapsed = time.perf_counter() - t0
             bar.set_postfix(tok_s=f"{summary.tokens / elapsed:,.0f}", errors=summary.errors, refresh=False)

@@ -34,6 +34,7 @@ class AlignedSample:
     first_position: int = 0
     accept_lens: torch.Tensor | None = None  # [verify_steps] int16, None without speculation
     finish_reason: str = "length"
+    verify_steps: int | None = None  # speculative steps when the engine reports their count but not accept_lens
 
     @property
     def num_rows(self) -> int:

@@ -37,6 +37,7 @@ class Record:
     finish_reason: str
     hidden: Mapping[str, torch.Tensor]  # name -> [rows, W] in the stored dtype
     accept_lens: torch.Tensor | None = None  # [verify_steps] int
+    verify_steps: int | None = None  # used when accept_lens is None: an engine that reports only the count
 
     @property
     def num_rows(self) -> int:
@@ -132,7 +133,7 @@ class ShardWriter:
             pa.array([r.prompt_len for r in records], pa.int32()),
             _int_lists([r.loss_mask for r in records], pa.uint8(), np.uint8),
             pa.array([r.finish_reason for r in records], pa.string()),
-            pa.array([None if r.accept_lens is None else r.accept_lens.numel() for r in records], pa.int32()),
+            pa.array([r.verify_steps if r.accept_lens is None else r.accept_lens.numel() for r in records], pa.int32()),
             _optional_int_lists([r.accept_lens for r in records]),
         ]
         for name, width in self.layers:

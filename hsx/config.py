@@ -47,6 +47,7 @@ class ExtractConfig:
     spec_num_steps: int | None = None
     spec_topk: int | None = None
     spec_num_draft_tokens: int | None = None
+    spec_algorithm: str | None = None  # --engine sglang: EAGLE or EAGLE3 (the hf engine runs --draft-model)
     # output layout
     compression: Literal["none", "zstd"] = "none"
     max_shard_mb: int = 512
@@ -74,12 +75,14 @@ class ExtractConfig:
             raise HsxError(f"--engine must be hf or sglang, got {self.engine!r}")
         if self.speculative and self.draft_model is None and self.engine == "hf":
             raise HsxError("--spec-* options need --draft-model with the hf engine")
+        if self.spec_algorithm is not None and self.engine != "sglang":
+            raise HsxError("--spec-algorithm names SGLang's algorithm (--engine sglang); the hf engine runs --draft-model")
         return self
 
     @property
     def speculative(self) -> bool:
         return self.draft_model is not None or any(
-            v is not None for v in (self.spec_num_steps, self.spec_topk, self.spec_num_draft_tokens)
+            v is not None for v in (self.spec_num_steps, self.spec_topk, self.spec_num_draft_tokens, self.spec_algorithm)
         )
 
     def spec_settings(self) -> tuple[int, int, int]:

@@ -1,0 +1,451 @@
+"""``--engine sglang`` without SGLang: a stand-in ``sglang`` module whose ``Engine`` is driven by the
+transformers engine and answers in SGLang 0.5.23's output shape (``output_ids`` plus ``meta_info``
+with nested-list ``hidden_states``, ``completion_tokens``, ``num_retractions``, a ``finish_reason``
+dict and the spec stat keys). Good outputs must give shards identical to ``--engine hf``'s; each
+known hazard (cached prefill, retraction, dropped row, wrong width, refused algorithms, old or
+missing SGLang) must be caught.
+
+The stand-in applies SGLang's own capture rule for aux layer ids (``layers_to_capture = id + 1``),
+written out here rather than taken from hsx, so the adapter's translation is checked against it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import hsx
+from hsx.align import LayerGroup
+from hsx.config import ExtractConfig
+from hsx.demo.models import build_tiny_llama, perturbed_copy
+from hsx.demo.tokenizer import build_demo_tokenizer
+from hsx.engine.hf import HFEngine, SamplingSettings, SpecSettings
+from hsx.engine.sglang import capture_ids_for, sglang_capture
+from hsx.errors import HsxError
+from hsx.pipeline import extract
+from hsx.shards.manifest import load_manifest
+
+NUM_LAYERS = 8
+HIDDEN = 64
+ROOT = Path(__file__).resolve().parents[1]
+
+ROWS = [
+    {"id": "chat-a", "messages": [{"role": "user", "content": "How do tides work?"}]},
+    {"id": "text-b", "text": "The river ran past the old mill and under the stone bridge."},
+    {"id": "text-c", "text": "Bees"},
+    {"id": "chat-d", "messages": [{"role": "system", "content": "Be brief."},
+                                  {"role": "user", "content": "Name a colour, then explain why you like it."}]},
+    {"id": "text-e", "text": "A longer line of plain text, so that the batch holds prompts of rather different lengths."},
+]
+
+
+class FakeEngine:
+    """``sglang.Engine`` stand-in: the transformers engine computes, SGLang's output shape comes out."""
+
+    instances: list["FakeEngine"] = []
+    hazard = None  # callable(engine, call_no, index, out) -> out, set by a test
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.calls: list[list[list[int]]] = []
+        load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
+        model = load(kwargs["model_path"])
+        L, H = model.config.num_hidden_layers, model.config.hidden_size
+        algorithm = kwargs.get("speculative_algorithm")
+        if kwargs.get("enable_return_aux_hidden_states"):
+            ids = kwargs.get("return_aux_hidden_state_layer_ids")
+            layers = [i + 1 for i in ids] if ids is not None else [2, L // 2, L - 3]
+            algorithm = None  # aux capture only: the algorithm just names the convention
+        elif algorithm == "EAGLE3":
+            draft_cfg = AutoConfig.from_pretrained(kwargs["speculative_draft_model_path"])
+            ids = (getattr(draft_cfg, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
+            layers = [i + 1 for i in ids] if ids else [2, L // 2, L - 3]
+        else:
+            layers = None
+        group = LayerGroup("out", ("final",), H) if layers is None else LayerGroup("out", tuple(layers), H * len(layers))
+        draft, spec = None, None
+        if algorithm is not None:
+            draft = load(kwargs["speculative_draft_model_path"])
+            spec = SpecSettings(kwargs["speculative_num_steps"], kwargs["speculative_eagle_topk"],
+                                kwargs["speculative_num_draft_tokens"])
+        self.speculative = spec is not None
+        self.hf = HFEngine(model, [group], draft_model=draft, spec=spec, store_dtype=torch.float32)
+        FakeEngine.instances.append(self)
+
+    def generate(self, input_ids=None, sampling_params=None, return_hidden_states=False):
+        assert return_hidden_states is True and input_ids is not None
+        sp = sampling_params
+        sampling = SamplingSettings(sp["max_new_tokens"], sp.get("temperature", 0.0), sp.get("top_p", 1.0),
+                                    sp.get("sampling_seed", 0), tuple(sp.get("stop_token_ids") or ()))
+        call_no = len(self.calls)
+        self.calls.append([list(x) for x in input_ids])
+        samples = self.hf.generate([(i, torch.tensor(x)) for i, x in enumerate(input_ids)], sampling)
+        outs = []
+        for i, (ids, s) in enumerate(zip(input_ids, samples)):
+            out = self._output(len(ids), s, sp["max_new_tokens"], i)
+            outs.append(FakeEngine.hazard(self, call_no, i, out) if FakeEngine.hazard else out)
+        return outs
+
+    def _output(self, P: int, s, max_new_tokens: int, i: int) -> dict:
+        rows = s.hidden["out"]  # [P + C - 1, W]
+        C = s.input_ids.numel() - P
+        completion = s.input_ids[P:].tolist()
+        finish = {"type": "length", "length": C} if s.finish_reason == "length" else {"type": "stop", "matched": completion[-1]}
+        meta = {"id": f"req-{i}", "finish_reason": finish, "prompt_tokens": P, "weight_version": "default",
+                "num_retractions": 0, "reasoning_tokens": 0, "completion_tokens": C, "cached_tokens": 0,
+                "hidden_states": [rows[:P].tolist()] + rows[P:].tolist()}
+        if self.speculative and s.accept_lens is not None and s.accept_lens.numel():
+            a = s.accept_lens.long()
+            drafts = self.kwargs["speculative_num_draft_tokens"] - 1
+            hist = torch.bincount(a - 1).tolist()
+            meta.update(spec_verify_ct=a.numel(), spec_num_correct_drafts=int((a - 1).sum()),
+                        spec_num_proposed_drafts=a.numel() * drafts, spec_accept_rate=int((a - 1).sum()) / (a.numel() * drafts),
+                        spec_accept_length=C / a.numel(), spec_correct_drafts_histogram=hist)
+        return {"output_ids": completion, "meta_info": meta}
+
+    def shutdown(self):
+        pass
+
+
+def fake_module(version: str = "0.5.23") -> types.ModuleType:
+    mod = types.ModuleType("sglang")
+    mod.__version__ = version
+    mod.Engine = FakeEngine
+    return mod
+
+
+@pytest.fixture(autouse=True)
+def fake_sglang(monkeypatch):
+    FakeEngine.instances, FakeEngine.hazard = [], None
+    monkeypatch.setitem(sys.modules, "sglang", fake_module())
+    yield
+    FakeEngine.hazard = None
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("models")
+    tok = build_demo_tokenizer()
+    target = build_tiny_llama(num_layers=NUM_LAYERS, hidden_size=HIDDEN, vocab_size=len(tok), seed=3,
+                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    draft = perturbed_copy(target, 0.02, seed=1)  # agrees often: multi-token accepts
+    for name, m in (("target", target), ("draft", draft)):
+        m.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    data = root / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return {"target": str(root / "target"), "draft": str(root / "draft"), "data": str(data)}
+
+
+def config(models, out: Path, **kw) -> ExtractConfig:
+    base = dict(model=models["target"], dataset=models["data"], output=str(out), id_field="id", dtype="float32",
+                layers="final", max_new_tokens=10, batch_size=3, device="cpu")
+    base.update(kw)
+    return ExtractConfig(**base)
+
+
+def assert_same_shards(a_dir: Path, b_dir: Path, speculative: bool = False, atol: float = 0.0) -> int:
+    """Same samples, tokens and masks; rows bit-equal (``atol=0``) or within ``atol``."""
+    a, b = hsx.open(a_dir), hsx.open(b_dir)
+    assert a.sample_ids == b.sample_ids
+    names = [g["name"] for g in a.metadata["layers"]]
+    assert names == [g["name"] for g in b.metadata["layers"]]
+    rows = 0
+    for x, y in zip(a, b):
+        assert torch.equal(x.input_ids, y.input_ids), x.sample_id
+        assert x.prompt_len == y.prompt_len and x.finish_reason == y.finish_reason
+        assert torch.equal(x.loss_mask, y.loss_mask)
+        for n in names:
+            if atol == 0:
+                assert torch.equal(x.hidden(n), y.hidden(n)), (x.sample_id, n)  # fp32 bit-equality
+            else:
+                assert (x.hidden(n) - y.hidden(n)).abs().max().item() <= atol, (x.sample_id, n)
+            rows += x.hidden(n).shape[0]
+        if speculative:
+            assert y.accept_lens is None and y.verify_steps == x.accept_lens.numel(), x.sample_id
+    return rows
+
+
+# ---- good outputs: shards identical to the transformers engine's -----------------------------
+
+
+@pytest.mark.parametrize("mode", ["generate", "prefill"])
+def test_plain_shards_equal_transformers_engine(models, tmp_path, mode):
+    extract(config(models, tmp_path / "hf", mode=mode), progress=False)
+    summary = extract(config(models, tmp_path / "sgl", engine="sglang", mode=mode), progress=False)
+    assert summary.samples == len(ROWS) and summary.errors == 0
+    assert assert_same_shards(tmp_path / "hf", tmp_path / "sgl") > 0
+    (engine,) = FakeEngine.instances
+    args = engine.kwargs
+    assert args["disable_radix_cache"] is True and args["chunked_prefill_size"] == -1
+    assert args["enable_return_hidden_states"] is True and args["skip_tokenizer_init"] is True
+    assert args["device"] == "cpu" and "speculative_algorithm" not in args
+    assert all(isinstance(t, int) for prompt in engine.calls[0] for t in prompt)  # token ids in, not text
+    meta = hsx.open(tmp_path / "sgl").metadata
+    assert meta["engine"]["name"] == "sglang" and meta["engine"]["version"] == "0.5.23"
+    assert meta["speculative"] is None
+
+
+@pytest.mark.parametrize("topk,draft_tokens", [(1, 4), (2, 6)])
+def test_eagle_shards_equal_transformers_engine(models, tmp_path, topk, draft_tokens):
+    spec = dict(draft_model=models["draft"], spec_num_steps=3, spec_topk=topk, spec_num_draft_tokens=draft_tokens)
+    hf = extract(config(models, tmp_path / "hf", **spec), progress=False)
+    sgl = extract(config(models, tmp_path / "sgl", engine="sglang", spec_algorithm="EAGLE", **spec), progress=False)
+    assert sgl.errors == 0
+    assert assert_same_shards(tmp_path / "hf", tmp_path / "sgl", speculative=True) > 0
+    assert sgl.verify_steps == hf.verify_steps > 0
+    assert hf.accepted > hf.verify_steps  # some steps accepted drafts
+    args = FakeEngine.instances[0].kwargs
+    assert (args["speculative_algorithm"], args["speculative_num_steps"], args["speculative_eagle_topk"],
+            args["speculative_num_draft_tokens"], args["speculative_draft_model_path"]) == ("EAGLE", 3, topk, draft_tokens, models["draft"])
+    meta = hsx.open(tmp_path / "sgl").metadata["speculative"]
+    assert meta["algorithm"] == "EAGLE" and meta["topk"] == topk and meta["tree"] == (topk > 1)
+
+
+def test_verify_accepts_step_counts_without_accept_lens(models, tmp_path):
+    from hsx.shards.verify import verify
+
+    spec = dict(draft_model=models["draft"], spec_num_steps=3, spec_topk=1, spec_num_draft_tokens=4)
+    extract(config(models, tmp_path / "sgl", engine="sglang", spec_algorithm="EAGLE", **spec), progress=False)
+    report = verify(tmp_path / "sgl")
+    assert report.ok, report.faults
+
+
+def test_aux_capture_translates_boundaries(models, tmp_path):
+    """eagle3 boundaries [2, 4, 5] go to SGLang as ids [1, 3, 4]; rows equal the hf engine's eagle3 column."""
+    extract(config(models, tmp_path / "hf", layers="eagle3"), progress=False)
+    extract(config(models, tmp_path / "sgl", engine="sglang", layers="eagle3"), progress=False)
+    assert assert_same_shards(tmp_path / "hf", tmp_path / "sgl") > 0
+    args = FakeEngine.instances[0].kwargs
+    assert args["enable_return_aux_hidden_states"] is True and args["speculative_algorithm"] == "EAGLE3"
+    assert args["return_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    (g,) = hsx.open(tmp_path / "sgl").metadata["layers"]
+    assert g["sources"] == [2, 4, 5] and "SGLang capture ids [1, 3, 4]" in g["rule"] and g["width"] == 3 * HIDDEN
+
+
+def test_eagle3_speculative_rows_are_the_aux_concatenation(models, tmp_path):
+    spec = dict(draft_model=models["draft"], spec_num_steps=2, spec_topk=1, spec_num_draft_tokens=3)
+    extract(config(models, tmp_path / "hf", layers="eagle3", **spec), progress=False)
+    extract(config(models, tmp_path / "sgl", engine="sglang", spec_algorithm="EAGLE3", layers="eagle3", **spec),
+            progress=False)
+    assert assert_same_shards(tmp_path / "hf", tmp_path / "sgl", speculative=True) > 0
+    with pytest.raises(HsxError, match="aux concatenation"):
+        extract(config(models, tmp_path / "bad", engine="sglang", spec_algorithm="EAGLE3", **spec), progress=False)
+
+
+# ---- hazards ----------------------------------------------------------------------------------
+
+
+def _errors(out: Path) -> dict[str, str]:
+    return {e["sample_id"]: e["reason"] for e in json.loads((out / "manifest.json").read_text())["errors"]}
+
+
+def test_cached_prefill_rows_are_an_error_record(models, tmp_path):
+    """A radix-cache hit returns only the uncached suffix of the prompt in hs[0]."""
+    def hit(engine, call_no, i, out):
+        if call_no == 0 and i == 1:
+            out["meta_info"]["hidden_states"][0] = out["meta_info"]["hidden_states"][0][4:]
+            out["meta_info"]["cached_tokens"] = 4
+        return out
+
+    FakeEngine.hazard = hit
+    summary = extract(config(models, tmp_path / "sgl", engine="sglang"), progress=False)
+    errors = _errors(tmp_path / "sgl")
+    assert summary.errors == 1 and list(errors) == ["text-b"]
+    assert "prompt rows" in errors["text-b"] and "cached or chunked" in errors["text-b"]
+    assert "text-b" not in hsx.open(tmp_path / "sgl").sample_ids
+
+
+def test_retracted_request_is_rerun_once(models, tmp_path):
+    def retract_first_time(engine, call_no, i, out):
+        if call_no == 0 and i == 2:
+            hs = out["meta_info"]["hidden_states"]
+            hs[2:2] = [hs[0]]  # what a retraction leaves: a second prefill block in the middle
+            out["meta_info"]["num_retractions"] = 1
+        return out
+
+    FakeEngine.hazard = retract_first_time
+    extract(config(models, tmp_path / "hf"), progress=False)
+    summary = extract(config(models, tmp_path / "sgl", engine="sglang"), progress=False)
+    assert summary.errors == 0
+    calls = FakeEngine.instances[0].calls
+    assert len(calls) == len(ROWS) // 3 + 2 and calls[1] == [calls[0][2]]  # the retracted prompt, alone
+    # the rerun is a batch of one: fp32 batched vs unbatched differ by ~1e-7
+    assert assert_same_shards(tmp_path / "hf", tmp_path / "sgl", atol=1e-6) > 0
+
+
+def test_always_retracted_request_is_an_error_record(models, tmp_path):
+    def retract(engine, call_no, i, out):
+        if engine.calls[call_no][i] == engine.calls[0][0]:
+            out["meta_info"]["num_retractions"] = 1
+        return out
+
+    FakeEngine.hazard = retract
+    summary = extract(config(models, tmp_path / "sgl", engine="sglang"), progress=False)
+    errors = _errors(tmp_path / "sgl")
+    assert summary.errors == 1 and summary.samples == len(ROWS) - 1
+    assert "retracted" in errors["chat-a"]
+
+
+def test_dropped_decode_row_is_an_error_record(models, tmp_path):
+    def drop(engine, call_no, i, out):
+        if i == 0 and call_no == 1:
+            del out["meta_info"]["hidden_states"][3]
+        return out
+
+    FakeEngine.hazard = drop
+    summary = extract(config(models, tmp_path / "sgl", engine="sglang"), progress=False)
+    errors = _errors(tmp_path / "sgl")
+    assert summary.errors == 1 and list(errors) == ["chat-d"]
+    assert "hidden-state entries for completion_tokens 10" in errors["chat-d"]
+
+
+@pytest.mark.parametrize("where", ["prefill", "decode", "all"])
+def test_wrong_width_stops_the_run(models, tmp_path, where):
+    def narrow(engine, call_no, i, out):
+        hs = out["meta_info"]["hidden_states"]
+        if where in ("prefill", "all"):
+            hs[0] = [r[:-1] for r in hs[0]]
+        if where in ("decode", "all"):
+            hs[1] = hs[1] + [0.0]
+        return out
+
+    FakeEngine.hazard = narrow
+    with pytest.raises(HsxError, match="declared width 64"):
+        extract(config(models, tmp_path / "sgl", engine="sglang"), progress=False)
+
+
+def test_missing_hidden_states_stop_the_run(models, tmp_path):
+    def strip(engine, call_no, i, out):
+        del out["meta_info"]["hidden_states"]
+        return out
+
+    FakeEngine.hazard = strip
+    with pytest.raises(HsxError, match="no hidden states"):
+        extract(config(models, tmp_path / "sgl", engine="sglang"), progress=False)
+
+
+def test_aborted_request_is_an_error_record(models, tmp_path):
+    def abort(engine, call_no, i, out):
+        if i == 0 and call_no == 0:
+            out["meta_info"]["finish_reason"] = {"type": "abort", "message": "out of memory"}
+        return out
+
+    FakeEngine.hazard = abort
+    summary = extract(config(models, tmp_path / "sgl", engine="sglang"), progress=False)
+    assert summary.errors == 1 and "out of memory" in _errors(tmp_path / "sgl")["chat-a"]
+
+
+# ---- refusals ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algorithm,why", [("NGRAM", "rejected drafts"), ("STANDALONE", "empty"),
+                                           ("DFLASH", "empty"), ("ngram", "rejected drafts"), ("NEXTN", "supports")])
+def test_refused_algorithms(models, tmp_path, algorithm, why):
+    with pytest.raises(HsxError, match=why):
+        extract(config(models, tmp_path / "sgl", engine="sglang", spec_algorithm=algorithm,
+                       draft_model=models["draft"]), progress=False)
+    assert FakeEngine.instances == []
+
+
+@pytest.mark.parametrize("version", ["0.5.22", "0.5.23rc1", "0.4.9", "garbage"])
+def test_old_sglang_refused(models, tmp_path, monkeypatch, version):
+    monkeypatch.setitem(sys.modules, "sglang", fake_module(version))
+    with pytest.raises(HsxError, match=r"hsx needs >= 0\.5\.23"):
+        extract(config(models, tmp_path / "sgl", engine="sglang"), progress=False)
+
+
+def test_newer_sglang_accepted(models, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sglang", fake_module("0.6.1.post2"))
+    assert extract(config(models, tmp_path / "sgl", engine="sglang"), progress=False).errors == 0
+
+
+def test_missing_sglang_is_a_clear_error(models, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sglang", None)  # import sglang -> ImportError
+    with pytest.raises(HsxError, match=r"pip install 'hsx\[sglang\]'"):
+        extract(config(models, tmp_path / "sgl", engine="sglang"), progress=False)
+
+
+@pytest.mark.parametrize("layers,why", [("final,eagle3", "one hidden-state column"), ("b8", "boundaries 1..7 are reachable"),
+                                        ("0", "boundaries 1..7 are reachable")])
+def test_unreachable_layers_refused(models, tmp_path, layers, why):
+    with pytest.raises(HsxError, match=why):
+        extract(config(models, tmp_path / "sgl", engine="sglang", layers=layers), progress=False)
+
+
+@pytest.mark.parametrize("args,why", [({"disable_radix_cache": False}, "prompt rows are missing"),
+                                      ({"chunked_prefill_size": 512}, "prompt rows are missing"),
+                                      ({"device": "cuda"}, "config fields")])
+def test_engine_args_cannot_undo_required_settings(models, tmp_path, args, why):
+    with pytest.raises(HsxError, match=why):
+        extract(config(models, tmp_path / "sgl", engine="sglang", engine_args=args), progress=False)
+
+
+def test_engine_args_pass_through(models, tmp_path):
+    extract(config(models, tmp_path / "sgl", engine="sglang",
+                   engine_args={"tp_size": 1, "mem_fraction_static": 0.5, "attention_backend": "torch_native"}),
+            progress=False)
+    args = FakeEngine.instances[0].kwargs
+    assert (args["tp_size"], args["mem_fraction_static"], args["attention_backend"]) == (1, 0.5, "torch_native")
+    assert hsx.open(tmp_path / "sgl").metadata["engine"]["args"]["attention_backend"] == "torch_native"
+
+
+def test_spec_options_need_an_algorithm(models, tmp_path):
+    with pytest.raises(HsxError, match="--spec-algorithm EAGLE or EAGLE3"):
+        extract(config(models, tmp_path / "sgl", engine="sglang", draft_model=models["draft"]), progress=False)
+    with pytest.raises(HsxError, match="--engine sglang"):
+        extract(config(models, tmp_path / "hf", spec_algorithm="EAGLE", draft_model=models["draft"]), progress=False)
+
+
+# ---- layer-id convention ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type,ids,want", [
+    ("llama", None, (2, 16, 29)),
+    ("llama", [1, 15, 28], (2, 16, 29)),
+    ("qwen3", [0, 15, 30], (1, 16, 31)),
+    ("gpt_oss", [2, 16, 32], (2, 16, 32)),  # max id == L: already boundaries
+    ("gpt_oss", [1, 15, 28], (2, 16, 29)),
+    ("deepseek_v3", [1, 15, 28], (2, 16, 29)),  # first id 1: +1
+    ("deepseek_v3", [2, 15, 28], (2, 15, 28)),  # otherwise as-is
+])
+def test_sglang_capture_rule(model_type, ids, want):
+    assert sglang_capture(ids, model_type, 32) == want
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gpt_oss", "deepseek_v2"])
+@pytest.mark.parametrize("boundaries", [(2, 16, 29), (2, 3, 4), (5,), (3, 31)])
+def test_capture_ids_round_trip(model_type, boundaries):
+    ids = capture_ids_for(boundaries, model_type, 32)
+    assert sglang_capture(ids, model_type, 32) == boundaries and all(0 <= i < 32 for i in ids)
+
+
+@pytest.mark.parametrize("model_type,boundaries", [("llama", (0, 4)), ("llama", (4, 32)), ("llama", (5, 3)),
+                                                   ("llama", (4, 4)), ("deepseek_v2", (1, 2, 3))])
+def test_capture_ids_refused(model_type, boundaries):
+    with pytest.raises(HsxError):
+        capture_ids_for(boundaries, model_type, 32)
+
+
+# ---- the real SGLang lane (opt-in) ------------------------------------------------------------
+
+
+@pytest.mark.sglang
+def test_real_sglang_cpu_check():
+    """Runs only with HSX_SGLANG_CHECK=1 and a venv built by the script (minutes of CPU)."""
+    if os.environ.get("HSX_SGLANG_CHECK") != "1":
+        pytest.skip("the real SGLang lane is opt-in: HSX_SGLANG_CHECK=1 pytest -m sglang")
+    venv = Path(os.environ.get("HSX_SGLANG_VENV", ROOT / ".venv-sglang"))
+    if not (venv / ".hsx-sglang-installed").exists():
+        pytest.skip(f"no SGLang venv at {venv}: run scripts/sglang_cpu_check.sh once to build it")
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "sglang_cpu_check.sh")], capture_output=True, text=True,
+                          timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -1,0 +1,112 @@
+"""notebooks/analysis.ipynb: stored without outputs, and executed end to end on shards that a tiny
+target + draft pair writes through ``hsx.pipeline.extract`` (speculative decoding, several shards)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import numpy as np
+import pytest
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import KernelManager
+from nbclient import NotebookClient
+
+import hsx
+from hsx import analysis as A
+from hsx.config import ExtractConfig
+from hsx.demo.models import build_tiny_llama, make_layerskip_draft
+from hsx.demo.tokenizer import build_demo_tokenizer
+from hsx.pipeline import extract
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "analysis.ipynb"
+PROMPTS = Path(__file__).resolve().parents[1] / "hsx" / "demo_data" / "prompts.jsonl"
+NOTEBOOK_SECONDS = 120
+
+
+@pytest.fixture(scope="module")
+def demo_shards(tmp_path_factory) -> Path:
+    """Demo-like shards, small: 16 of the demo prompts, 10 new tokens, at most 6 samples per shard."""
+    root = tmp_path_factory.mktemp("nb_demo")
+    tok = build_demo_tokenizer()
+    target = build_tiny_llama(num_layers=8, hidden_size=64, vocab_size=len(tok), seed=1, bos_token_id=tok.bos_token_id,
+                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    draft = make_layerskip_draft(target, num_layers=2)
+    for name, m in (("target", target), ("draft", draft)):
+        m.save_pretrained(root / name)
+        tok.save_pretrained(root / name)
+    cfg = ExtractConfig(model=str(root / "target"), draft_model=str(root / "draft"), dataset=str(PROMPTS),
+                        id_field="id", limit=16, output=str(root / "shards"), layers="final,eagle3,0,8",
+                        max_new_tokens=10, batch_size=16, spec_num_steps=3, spec_topk=1, spec_num_draft_tokens=4,
+                        max_shard_samples=6)
+    summary = extract(cfg, progress=False)
+    assert summary.samples == 16 and summary.errors == 0
+    return root / "shards"
+
+
+def test_saved_notebook_has_no_outputs():
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code, "the notebook has no code cells"
+    for i, c in enumerate(code):
+        assert c.outputs == [] and c.execution_count is None, f"code cell {i} carries outputs; strip them"
+    assert 'SHARDS = os.environ.get("HSX_SHARDS", "../demo_out/shards")' in code[0].source
+
+
+def kernel_manager(tmp_path: Path) -> KernelManager:
+    """A kernel on this interpreter, from a kernelspec written here: independent of user or system
+    kernelspecs, so it works in a brand-new virtualenv where nothing was registered. IPC sockets in
+    the test's folder instead of TCP ports that another process could take between choice and bind."""
+    spec_dir = tmp_path / "kernels" / "hsx-python"
+    spec_dir.mkdir(parents=True)
+    spec = {"argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+            "display_name": "hsx test kernel", "language": "python"}
+    (spec_dir / "kernel.json").write_text(json.dumps(spec))
+    ksm = KernelSpecManager(kernel_dirs=[str(tmp_path / "kernels")], ensure_native_kernel=False)
+    km = KernelManager(kernel_name="hsx-python", kernel_spec_manager=ksm)
+    if sys.platform != "win32":
+        km.transport, km.ip = "ipc", str(tmp_path / "kernel")
+    return km
+
+
+def test_notebook_executes_on_fresh_shards(demo_shards, tmp_path, monkeypatch):
+    monkeypatch.setenv("HSX_SHARDS", str(demo_shards))
+    monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend makes the figures
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    client = NotebookClient(nb, km=kernel_manager(tmp_path), timeout=NOTEBOOK_SECONDS,
+                            resources={"metadata": {"path": str(NOTEBOOK.parent)}})
+    start = time.perf_counter()
+    client.execute()  # raises CellExecutionError naming the failing cell
+    seconds = time.perf_counter() - start
+    assert seconds < NOTEBOOK_SECONDS, f"notebook took {seconds:.0f} s"
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "ShardDataset(16 samples, 3 shards" in text
+    assert "tokenizer: not found" not in text  # the run's tokenizer directory was found
+    assert "next token starts a new word" in text
+    images = [o for o in outputs if "image/png" in o.get("data", {})]
+    assert len(images) == 4  # PCA, probe, accept lengths, norms
+
+
+def test_helpers_on_extracted_shards(demo_shards):
+    ds = hsx.open(demo_shards)
+    table = A.token_table(ds)
+    assert len(table) == ds.tokens("final").hidden.shape[0] == A.states(ds, "eagle3").shape[0]
+    # each verify step emitted accept_lens[k] of the kept tokens; only the last one may have been cut
+    steps = table.dropna(subset=["accept_step"])
+    for s in ds:
+        a = s.accept_lens.long().numpy()
+        mine = steps.loc[steps["sample"] == s.index, "accept_step"].to_numpy(dtype=np.int64)
+        # the table has no row for the last token (generate mode): add its step back
+        last = A.accept_steps(s.prompt_len, len(s.input_ids), a)[-1]
+        counts = np.bincount(np.append(mine[mine >= 0], last) if last >= 0 else mine[mine >= 0], minlength=a.size)
+        assert (counts[:-1] == a[:-1]).all() and 0 < counts[-1] <= a[-1], s.sample_id
+        assert (mine == -1).sum() == 1
+    stats = A.accept_stats(ds)
+    assert stats.histogram.sum() == sum(len(s.accept_lens) for s in ds)
+    layers = [sl.label for sl in A.layer_sources(ds)]
+    assert layers == ["b0", "b2", "b4", "b5", "b8", "final"]

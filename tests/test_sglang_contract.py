@@ -28,7 +28,7 @@ from hsx.config import ExtractConfig
 from hsx.demo.models import build_tiny_llama, perturbed_copy
 from hsx.demo.tokenizer import build_demo_tokenizer
 from hsx.engine.hf import HFEngine, SamplingSettings, SpecSettings
-from hsx.engine.sglang import capture_ids_for, sglang_capture
+from hsx.engine.sglang import capture_ids_for, import_sglang, sglang_capture
 from hsx.errors import HsxError
 from hsx.pipeline import extract
 from hsx.shards.manifest import load_manifest
@@ -363,9 +363,10 @@ def test_old_sglang_refused(models, tmp_path, monkeypatch, version):
         extract(config(models, tmp_path / "sgl", engine="sglang"), progress=False)
 
 
-def test_newer_sglang_accepted(models, tmp_path, monkeypatch):
-    monkeypatch.setitem(sys.modules, "sglang", fake_module("0.6.1.post2"))
-    assert extract(config(models, tmp_path / "sgl", engine="sglang"), progress=False).errors == 0
+@pytest.mark.parametrize("version", ["0.5.23", "0.5.23.post1", "0.6.1"])
+def test_newer_sglang_accepted(monkeypatch, version):
+    monkeypatch.setitem(sys.modules, "sglang", fake_module(version))
+    assert import_sglang().__version__ == version
 
 
 def test_missing_sglang_is_a_clear_error(models, tmp_path, monkeypatch):
@@ -403,6 +404,22 @@ def test_spec_options_need_an_algorithm(models, tmp_path):
         extract(config(models, tmp_path / "sgl", engine="sglang", draft_model=models["draft"]), progress=False)
     with pytest.raises(HsxError, match="--engine sglang"):
         extract(config(models, tmp_path / "hf", spec_algorithm="EAGLE", draft_model=models["draft"]), progress=False)
+
+
+def test_cli_spec_algorithm(models, tmp_path):
+    from typer.testing import CliRunner
+
+    from hsx.cli import app
+
+    base = ["extract", "--model", models["target"], "--dataset", models["data"], "--id-field", "id", "--engine", "sglang",
+            "--device", "cpu", "--max-new-tokens", "4", "--quiet"]
+    bad = CliRunner().invoke(app, [*base, "-o", str(tmp_path / "bad"), "--spec-algorithm", "NGRAM",
+                                   "--draft-model", models["draft"]])
+    assert bad.exit_code != 0 and "NGRAM" in str(bad.exception)
+    good = CliRunner().invoke(app, [*base, "-o", str(tmp_path / "good"), "--spec-algorithm", "EAGLE",
+                                    "--draft-model", models["draft"], "--spec-num-steps", "2"])
+    assert good.exit_code == 0, good.output
+    assert FakeEngine.instances[-1].kwargs["speculative_algorithm"] == "EAGLE"
 
 
 # ---- layer-id convention ----------------------------------------------------------------------

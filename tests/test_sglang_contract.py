@@ -382,8 +382,8 @@ def test_unreachable_layers_refused(models, tmp_path, layers, why):
         extract(config(models, tmp_path / "sgl", engine="sglang", layers=layers), progress=False)
 
 
-@pytest.mark.parametrize("args,why", [({"disable_radix_cache": False}, "prompt rows are missing"),
-                                      ({"chunked_prefill_size": 512}, "prompt rows are missing"),
+@pytest.mark.parametrize("args,why", [({"disable_radix_cache": False}, "conflict with what hsx needs"),
+                                      ({"chunked_prefill_size": 512}, "conflict with what hsx needs"),
                                       ({"device": "cuda"}, "config fields")])
 def test_engine_args_cannot_undo_required_settings(models, tmp_path, args, why):
     with pytest.raises(HsxError, match=why):

@@ -211,7 +211,7 @@ class SGLangRunner:
         fixed = sorted(k for k in clash if k in REQUIRED_ARGS)
         if fixed:
             raise HsxError(f"engine_args {fixed} conflict with what hsx needs ({ {k: REQUIRED_ARGS[k] for k in fixed} }): "
-                           "without them prompt rows are missing")
+                           "full prompt rows, hidden states on, token ids in")
         if clash:
             raise HsxError(f"engine_args {sorted(clash)} conflict with options hsx sets from its own configuration "
                            f"({ {k: args[k] for k in clash} }); set them through the config fields")

@@ -72,7 +72,18 @@ def _final_norm(model) -> torch.nn.Module:
     return norm
 
 
+# The oldest transformers this engine is tested with: it passes the cache as ``cache=``, which
+# older releases ignore silently (5.19 runs every forward without a cache).
+MIN_TRANSFORMERS = "5.24"
+
+
 def _check_supported(model, what: str) -> None:
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
+        raise HsxError(f"the transformers engine needs transformers >= {MIN_TRANSFORMERS}, found "
+                       f"{transformers.__version__} (the SGLang engine does not have this limit)")
     cfg = model.config
     types = getattr(cfg, "layer_types", None) or []
     if any(t != "full_attention" for t in types) or getattr(cfg, "use_sliding_window", False):

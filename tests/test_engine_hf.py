@@ -348,3 +348,13 @@ def test_request_and_setting_errors():
         SamplingSettings(max_new_tokens=0)
     with pytest.raises(HsxError, match="vocab"):
         HFEngine(target("llama"), groups_for(target("llama")), draft_model=build_tiny_llama(2, 64, 128))
+
+
+def test_older_transformers_is_refused_by_name(monkeypatch):
+    import transformers
+
+    model = build_tiny_llama(num_layers=2, hidden_size=32, vocab_size=64)
+    groups = parse_layers("final", ModelShape.from_config(model.config))
+    monkeypatch.setattr(transformers, "__version__", "5.19.0")
+    with pytest.raises(HsxError, match=r"transformers >= 5\.24, found 5\.19\.0"):
+        HFEngine(model, groups)

@@ -35,6 +35,7 @@ import torch
 from hsx.eagle3.dataset import Eagle3Dataset, load_draft_config
 from hsx.eagle3.vocab import count_loss_tokens, vocab_mapping
 from hsx.errors import HsxError
+from hsx.shards.manifest import fsync_dir
 
 GROUP = 2000  # files per rows_* directory, SpecForge's default --file-group-size
 INDEX = "hsx_index.jsonl"
@@ -62,14 +63,6 @@ def relative_path(index: int) -> Path:
     return Path(f"rows_{g}-{g + GROUP}") / f"data_{index}.ckpt"
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _atomic_write(path: Path, write) -> int:
     """Write through ``write(file)`` to a temp file beside ``path``, fsync, rename; returns bytes."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -83,7 +76,7 @@ def _atomic_write(path: Path, write) -> int:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return size
 
 

@@ -34,6 +34,19 @@ class RunSummary:
     bytes: int = 0
     seconds: float = 0.0
 
+    def count(self, sample) -> None:
+        completion = sample.input_ids.numel() - sample.prompt_len
+        self.samples += 1
+        self.tokens += sample.input_ids.numel()
+        self.completion_tokens += completion
+        self.rows += sample.num_rows
+        if sample.accept_lens is not None:
+            self.verify_steps += sample.accept_lens.numel()
+            self.accepted += int(sample.accept_lens.sum())
+        elif sample.verify_steps:  # count only: every completion token after the first came from a step
+            self.verify_steps += sample.verify_steps
+            self.accepted += completion - 1
+
     @property
     def mean_accept_len(self) -> float | None:
         return self.accepted / self.verify_steps if self.verify_steps else None
@@ -98,6 +111,58 @@ def _batches(items: Iterator, size: int) -> Iterator[list]:
         yield batch
 
 
+def _run_metadata(cfg: ExtractConfig, engine, chat_template: str | None, dataset_meta: dict) -> dict:
+    sampling = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
+    return build_metadata(
+        layers=[g.describe() for g in engine.groups],
+        dtype=cfg.dtype,
+        mode=cfg.mode,
+        model=_describe_model(cfg.model, engine.model_config, engine.shape),
+        tokenizer=_describe_tokenizer(cfg, engine.tokenizer, chat_template),
+        engine=engine.describe(),
+        speculative=engine.describe_speculative(),
+        dataset=dataset_meta,
+        sampling=sampling if cfg.mode == "generate" else None,
+        config_hash=cfg.fingerprint(),
+    )
+
+
+def _pending_prompts(rows, renderer, done: set[str], sink: ShardSink, summary: RunSummary, bar) -> Iterator:
+    """Rendered prompts still to run; bad rows become error records, finished ones are skipped."""
+    seen: set[str] = set()
+    for index, row in enumerate(rows):
+        try:
+            p = renderer.render(row, index)
+        except SampleError as e:
+            if e.sample_id in done:
+                summary.resumed += 1
+            else:
+                sink.add_error(e.sample_id, index, e.reason)
+                summary.errors += 1
+            bar.update(1)
+            continue
+        if p.sample_id in done:
+            summary.resumed += 1
+            bar.update(1)
+            continue
+        if p.sample_id in seen:
+            sink.add_error(p.sample_id, index, f"duplicate sample id {p.sample_id!r} (also at an earlier row)")
+            summary.errors += 1
+            bar.update(1)
+            continue
+        seen.add(p.sample_id)
+        yield p
+
+
+def _record(prompt, sample, mode: str) -> Record:
+    loss_mask = torch.tensor(prompt.loss_mask, dtype=torch.uint8)
+    if mode == "generate":  # the renderer masks the prompt; every generated token is learned
+        completion = sample.input_ids.numel() - sample.prompt_len
+        loss_mask = torch.cat([loss_mask, torch.ones(completion, dtype=torch.uint8)])
+    return Record(prompt.sample_id, prompt.source_index, sample.input_ids, sample.prompt_len, loss_mask,
+                  sample.finish_reason, sample.hidden, sample.accept_lens, sample.verify_steps)
+
+
 def extract(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool = True) -> RunSummary:
     """Run an extraction described by ``cfg``; resumes an interrupted run into the same output."""
     from hsx.data.load import describe, load_rows
@@ -121,19 +186,7 @@ def extract(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool = Tru
     )
     renderer.detect(rows.column_names)
 
-    metadata = build_metadata(
-        layers=[g.describe() for g in engine.groups],
-        dtype=cfg.dtype,
-        mode=cfg.mode,
-        model=_describe_model(cfg.model, engine.model_config, engine.shape),
-        tokenizer=_describe_tokenizer(cfg, engine.tokenizer, chat_template),
-        engine=engine.describe(),
-        speculative=engine.describe_speculative(),
-        dataset=dataset_meta,
-        sampling={"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
-        if cfg.mode == "generate" else None,
-        config_hash=cfg.fingerprint(),
-    )
+    metadata = _run_metadata(cfg, engine, chat_template, dataset_meta)
     if resume is not None and resume.metadata != metadata:
         differs = sorted(k for k in set(metadata) | set(resume.metadata) if metadata.get(k) != resume.metadata.get(k))
         raise HsxError(f"{out}: the model, tokenizer, dataset or engine differ from the run being resumed "
@@ -145,62 +198,21 @@ def extract(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool = Tru
         save_manifest(out, manifest)
 
     summary = RunSummary(str(out))
-    done = manifest.done_ids()
     sink = ShardSink(out, manifest, compression=cfg.compression, max_shard_bytes=cfg.max_shard_mb << 20,
                      max_shard_samples=cfg.max_shard_samples)
     bar = tqdm(total=len(rows), unit="sample", disable=not progress, dynamic_ncols=True)
-
-    def prompts():
-        seen: set[str] = set()
-        for index, row in enumerate(rows):
-            try:
-                p = renderer.render(row, index)
-            except SampleError as e:
-                if e.sample_id not in done:
-                    sink.add_error(e.sample_id, index, e.reason)
-                    summary.errors += 1
-                else:
-                    summary.resumed += 1
-                bar.update(1)
-                continue
-            if p.sample_id in done:
-                summary.resumed += 1
-                bar.update(1)
-                continue
-            if p.sample_id in seen:
-                sink.add_error(p.sample_id, index, f"duplicate sample id {p.sample_id!r} (also at an earlier row)")
-                summary.errors += 1
-                bar.update(1)
-                continue
-            seen.add(p.sample_id)
-            yield p
-
+    prompts = _pending_prompts(rows, renderer, manifest.done_ids(), sink, summary, bar)
     try:
-        for batch in _batches(prompts(), cfg.batch_size):
+        for batch in _batches(prompts, cfg.batch_size):
             for prompt, sample in zip(batch, engine.run(batch)):
                 if isinstance(sample, SampleError):  # an engine may give up on one sample and go on
                     sink.add_error(prompt.sample_id, prompt.source_index, sample.reason)
                     summary.errors += 1
                     continue
-                completion = sample.input_ids.numel() - sample.prompt_len
-                loss_mask = torch.tensor(prompt.loss_mask, dtype=torch.uint8)
-                if cfg.mode == "generate":
-                    loss_mask = torch.cat([loss_mask, torch.ones(completion, dtype=torch.uint8)])
-                sink.add(Record(prompt.sample_id, prompt.source_index, sample.input_ids, sample.prompt_len, loss_mask,
-                                sample.finish_reason, sample.hidden, sample.accept_lens, sample.verify_steps))
-                summary.samples += 1
-                summary.tokens += sample.input_ids.numel()
-                summary.completion_tokens += completion
-                summary.rows += sample.num_rows
-                if sample.accept_lens is not None:
-                    summary.verify_steps += sample.accept_lens.numel()
-                    summary.accepted += int(sample.accept_lens.sum())
-                elif sample.verify_steps:  # count only: every completion token after the first came from a step
-                    summary.verify_steps += sample.verify_steps
-                    summary.accepted += completion - 1
+                sink.add(_record(prompt, sample, cfg.mode))
+                summary.count(sample)
             bar.update(len(batch))
-            elapsed = time.perf_counter() - t0
-            bar.set_postfix(tok_s=f"{summary.tokens / elapsed:,.0f}", errors=summary.errors, refresh=False)
+            bar.set_postfix(tok_s=f"{summary.tokens / (time.perf_counter() - t0):,.0f}", errors=summary.errors, refresh=False)
     except KeyboardInterrupt:
         sink.close(complete=False)  # everything finished so far becomes durable
         bar.close()

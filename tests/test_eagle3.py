@@ -24,6 +24,7 @@ from hsx.eagle3 import (Eagle3Dataset, check_eagle3_layout, collate, count_loss_
 from hsx.eagle3.export import relative_path
 from hsx.errors import HsxError
 from hsx.pipeline import extract
+from oracle import oracle_sources
 
 NUM_LAYERS, HIDDEN = 8, 64
 BOUNDARIES = [2, 4, 5]  # SGLang default [2, L//2, L-3] for L = 8
@@ -166,27 +167,13 @@ def test_batch_and_shift_match_specforge_collator_and_target_head(env, exported)
         assert view["loss_mask"][k, t - 1 :].sum() == 0
 
 
-def oracle(model, ids: torch.Tensor) -> dict:
-    captured = {}
-    hook = model.model.norm.register_forward_pre_hook(lambda mod, args: captured.__setitem__("pre", args[0]))
-    try:
-        with torch.no_grad():
-            out = model(input_ids=ids[None].long(), output_hidden_states=True)
-    finally:
-        hook.remove()
-    states = {b: out.hidden_states[b][0] for b in range(NUM_LAYERS)}
-    states[NUM_LAYERS] = captured["pre"][0]
-    states["final"] = out.hidden_states[NUM_LAYERS][0]
-    return states
-
-
 @pytest.mark.parametrize("mode", ["prefill", "generate"])
 def test_exported_states_are_an_independent_forward(env, exported, mode):
     """Row t of a file == the teacher-forced state after token t (bf16 rounding of an fp32 forward)."""
     shards = hsx.open(env[mode])
     for e in index_of(exported[mode]):
         raw = torch.load(exported[mode] / e["file"], weights_only=True)
-        ref = oracle(env["model"], shards[e["index"]].input_ids)
+        ref = oracle_sources(env["model"], shards[e["index"]].input_ids)
         t = e["tokens"]
         aux = torch.cat([ref[b] for b in BOUNDARIES], dim=-1)[:t]
         torch.testing.assert_close(raw["aux_hidden_state"][0].float(), aux, rtol=1e-2, atol=1e-3)

@@ -17,6 +17,7 @@ from hsx.align import ModelShape, parse_layers
 from hsx.demo.models import build_tiny_llama, build_tiny_qwen2, make_layerskip_draft, perturbed_copy
 from hsx.engine import HFEngine, SamplingSettings, SpecSettings, load_hf_engine
 from hsx.errors import HsxError
+from oracle import oracle_rows
 
 NUM_LAYERS, HIDDEN, VOCAB = 4, 64, 256
 TOL = 1e-4
@@ -77,32 +78,6 @@ def plain_greedy(arch: str, lengths: tuple, max_new: int):
 
 
 # ---- the oracle ------------------------------------------------------------------------------
-
-def oracle_rows(model, ids: torch.Tensor, groups) -> dict[str, torch.Tensor]:
-    """Rows for every position of ``ids`` from one plain forward, in the FACTS §2 mapping."""
-    num_layers = model.config.num_hidden_layers
-    box = {}
-
-    def keep_input(module, args):  # returns None: a pre-hook's return value would replace the input
-        box["pre"] = args[0][0]
-
-    handle = model.model.norm.register_forward_pre_hook(keep_input)
-    try:
-        with torch.no_grad():
-            out = model(ids[None], output_hidden_states=True)
-    finally:
-        handle.remove()
-    hs = [h[0] for h in out.hidden_states]
-    pre = box["pre"]
-    # the mapping is checked, not assumed: the last entry feeds lm_head and is the norm of boundary L
-    assert len(hs) == num_layers + 1
-    assert (model.lm_head(hs[num_layers]) - out.logits[0]).abs().max() < 1e-5
-    assert (model.model.norm(pre) - hs[num_layers]).abs().max() < 1e-5
-    with torch.no_grad():
-        src = {s: hs[num_layers] if s == "final" else pre if s == num_layers else hs[s]
-               for g in groups for s in g.sources}
-        return {g.name: torch.cat([src[s] for s in g.sources], -1) for g in groups}
-
 
 def check_oracle(model, sample, groups, teacher_forced=False) -> float:
     """Every stored row equals the oracle; returns the largest difference seen."""

@@ -23,6 +23,7 @@ from hsx.demo.tokenizer import build_demo_tokenizer
 from hsx.errors import HsxError
 from hsx.pipeline import extract
 from hsx.shards.manifest import load_manifest
+from oracle import oracle_sources
 
 NUM_LAYERS = 8
 
@@ -68,27 +69,11 @@ def write_jsonl(path: Path, rows) -> str:
     return str(path)
 
 
-def oracle_states(model, ids: torch.Tensor) -> dict:
-    """Unbatched teacher-forced forward: boundary b (0..L) and final for every position."""
-    captured = {}
-    hook = model.model.norm.register_forward_pre_hook(lambda mod, args: captured.__setitem__("pre", args[0]))
-    try:
-        with torch.no_grad():
-            out = model(input_ids=ids[None].long(), output_hidden_states=True)
-    finally:
-        hook.remove()
-    hs = out.hidden_states
-    states = {b: hs[b][0] for b in range(NUM_LAYERS)}
-    states[NUM_LAYERS] = captured["pre"][0]
-    states["final"] = hs[NUM_LAYERS][0]
-    return states
-
-
 def check_against_oracle(ds, model, mode: str) -> int:
     checked = 0
     for s in ds:
         ids = s.input_ids.long()
-        ref = oracle_states(model, ids)
+        ref = oracle_sources(model, ids)
         rows = len(ids) - 1 if mode == "generate" else len(ids)
         assert s.num_rows == rows, s.sample_id
         for g in ds.metadata["layers"]:

@@ -1,0 +1,41 @@
+"""The test of truth: an independent, unbatched, teacher-forced forward of the same model."""
+
+from __future__ import annotations
+
+import torch
+
+
+def oracle_sources(model, ids: torch.Tensor) -> dict:
+    """States for every position of ``ids``: boundaries 0..L and "final", by the FACTS §2 mapping.
+
+    transformers' hidden_states[b] is boundary b for b < L, its last entry is the final-norm
+    output; boundary L (the last block's output before the norm) is taken with a hook.
+    """
+    num_layers = model.config.num_hidden_layers
+    box = {}
+
+    def keep_input(module, args):  # returns None: a pre-hook's return value would replace the input
+        box["pre"] = args[0][0]
+
+    handle = model.model.norm.register_forward_pre_hook(keep_input)
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids[None].long(), output_hidden_states=True)
+    finally:
+        handle.remove()
+    hs = [h[0] for h in out.hidden_states]
+    # the mapping is checked, not assumed: the last entry feeds lm_head and is the norm of boundary L
+    assert len(hs) == num_layers + 1
+    with torch.no_grad():
+        assert (model.lm_head(hs[num_layers]) - out.logits[0]).abs().max() < 1e-5
+        assert (model.model.norm(box["pre"]) - hs[num_layers]).abs().max() < 1e-5
+    states = {b: hs[b] for b in range(num_layers)}
+    states[num_layers] = box["pre"]
+    states["final"] = hs[num_layers]
+    return states
+
+
+def oracle_rows(model, ids: torch.Tensor, groups) -> dict[str, torch.Tensor]:
+    """Rows of each layer group (objects with ``name`` and ``sources``) for every position of ``ids``."""
+    src = oracle_sources(model, ids)
+    return {g.name: torch.cat([src[s] for s in g.sources], -1) for g in groups}

@@ -6,7 +6,7 @@ import torch
 
 
 def oracle_sources(model, ids: torch.Tensor) -> dict:
-    """States for every position of ``ids``: boundaries 0..L and "final", by the FACTS §2 mapping.
+    """States for every position of ``ids``: boundaries 0..L and "final" (docs/FORMAT.md, layer boundaries).
 
     transformers' hidden_states[b] is boundary b for b < L, its last entry is the final-norm
     output; boundary L (the last block's output before the norm) is taken with a hook.

@@ -67,6 +67,22 @@ def _opt(help: str, *names: str, **kw):
     return typer.Option(*names, help=help, show_default=False, **kw)
 
 
+def _engine_args(tp_size, dp_size, mem_fraction, attention_backend, pairs) -> dict:
+    """sglang.Engine keyword arguments from the command line, under SGLang's own names."""
+    args = {"tp_size": tp_size, "dp_size": dp_size, "mem_fraction_static": mem_fraction,
+            "attention_backend": attention_backend}
+    args = {k: v for k, v in args.items() if v is not None}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            _fail(f"--engine-arg takes KEY=VALUE, got {pair!r}")
+        try:
+            args[key] = json.loads(value)
+        except ValueError:
+            args[key] = value
+    return args
+
+
 @app.command()
 def extract(
     model: Annotated[Optional[str], _opt("Target model: a local path (or hub id where a hub is reachable).")] = None,
@@ -99,12 +115,19 @@ def extract(
     max_shard_mb: Annotated[Optional[int], _opt("Close a shard at about this size (default 512).")] = None,
     max_shard_samples: Annotated[Optional[int], _opt("Close a shard after this many samples (default 100000).")] = None,
     trust_remote_code: Annotated[Optional[bool], _opt("Allow model repositories to run their own code.", "--trust-remote-code")] = None,
+    tp_size: Annotated[Optional[int], _opt("--engine sglang: tensor-parallel size (sglang.Engine tp_size).")] = None,
+    dp_size: Annotated[Optional[int], _opt("--engine sglang: data-parallel size (dp_size).")] = None,
+    mem_fraction: Annotated[Optional[float], _opt("--engine sglang: GPU memory fraction for weights and KV cache (mem_fraction_static).")] = None,
+    attention_backend: Annotated[Optional[str], _opt("--engine sglang: attention backend (attention_backend).")] = None,
+    engine_arg: Annotated[Optional[list[str]], _opt("--engine sglang: any other sglang.Engine argument, KEY=VALUE (VALUE parsed as JSON when it can be); repeatable.")] = None,
     config: Annotated[Optional[Path], _opt("A TOML or JSON file with any of these options (command-line options win).")] = None,
     overwrite: Annotated[bool, _opt("Replace an existing output written with a different configuration.")] = False,
     quiet: Annotated[bool, _opt("No progress bar.", "--quiet", "-q")] = False,
 ) -> None:
     """Extract per-token hidden states from a dataset into aligned shards (resumes an interrupted run)."""
     overrides = {k: v for k, v in locals().items() if k not in ("config", "overwrite", "quiet")}
+    engine_args = _engine_args(overrides.pop("tp_size"), overrides.pop("dp_size"), overrides.pop("mem_fraction"),
+                               overrides.pop("attention_backend"), overrides.pop("engine_arg"))
     from hsx.config import ExtractConfig
     from hsx.pipeline import extract as run_extract
     from hsx.report import format_run
@@ -115,6 +138,8 @@ def extract(
         except ValueError:
             _fail(f"--eagle3-layer-ids must be comma-separated integers, got {eagle3_layer_ids!r}")
     base = ExtractConfig.from_file(config) if config else ExtractConfig()
+    if engine_args:
+        overrides["engine_args"] = {**base.engine_args, **engine_args}
     cfg = base.merged(overrides)
     summary = run_extract(cfg, overwrite=overwrite, progress=not quiet)
     typer.echo(format_run(summary))

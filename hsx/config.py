@@ -75,6 +75,8 @@ class ExtractConfig:
             raise HsxError(f"--engine must be hf or sglang, got {self.engine!r}")
         if self.speculative and self.draft_model is None and self.engine == "hf":
             raise HsxError("--spec-* options need --draft-model with the hf engine")
+        if self.engine_args and self.engine != "sglang":
+            raise HsxError(f"engine_args {sorted(self.engine_args)} are sglang.Engine arguments; the hf engine takes none")
         if self.spec_algorithm is not None and self.engine != "sglang":
             raise HsxError("--spec-algorithm names SGLang's algorithm (--engine sglang); the hf engine runs --draft-model")
         return self

@@ -8,7 +8,7 @@ VENV="${HSX_VENV:-.venv}"
 PY="$VENV/bin/python"
 [ -x "$PY" ] || python3 -m venv "$VENV"
 stamp="$VENV/.hsx-installed"
-want="$(sha256sum pyproject.toml | cut -c1-16)"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"  # re-run when either changes
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi

@@ -236,7 +236,8 @@ class ShardDataset:
         cols = list(columns or fmt.BASE_NAMES)
         parts = [self._shard(k).table.select(cols) for k in range(len(self._paths))]
         whole = pa.concat_tables(parts) if parts else fmt.schema_for(self.metadata).empty_table().select(cols)
-        return whole.take(pa.array(self._index)) if len(self._index) != whole.num_rows or not np.array_equal(self._index, np.arange(whole.num_rows)) else whole
+        in_order = np.array_equal(self._index, np.arange(whole.num_rows))
+        return whole if in_order else whole.take(pa.array(self._index))  # a select() view picks and reorders
 
     def tokens(self, name: str, shard: int | None = None) -> TokenMatrix:
         """All rows of column ``name`` (one shard, or every shard concatenated) with their sample and position."""

@@ -6,8 +6,8 @@ one real ``sglang.Engine`` per (algorithm, tree shape) through hsx's own ``SGLan
 every cell of {EAGLE, EAGLE3} x {topk 1 / 4 draft tokens, topk 2 / 6, topk 4 / 8} x {follow, mixed,
 miss} x {batch 1, 5, 16}, plus per engine a stop-token cell (one request ends on ``eos`` inside an
 accepted run while the others continue) and a prefill-mode cell, and the non-speculative final and
-aux-capture columns. ``max_new_tokens`` is 14 with at most 4 tokens per verify step, so the last
-step overshoots and must be trimmed. fp32, greedy.
+aux-capture columns. ``max_new_tokens`` is 12 with at most 4 tokens per verify step (1 + 4 + 4 + 4 > 12),
+so the last step overshoots and must be trimmed. fp32, greedy.
 
 Each cell checks, per request, against an independent teacher-forced forward (``tests/oracle.py``):
 ``len(hidden_states) == completion_tokens``; the tokens are plain greedy (every completion token is
@@ -49,8 +49,8 @@ from hsx.engine.sglang import SGLangRunner  # noqa: E402
 
 TOLERANCE = 1e-4  # max |row - oracle| / max |oracle|, fp32
 OFF_BY_ONE_MIN = 1e-2  # rows compared with the wrong boundaries must be at least this far off
-MAX_NEW_TOKENS = 14
-BATCHES = {1: [37], 5: [1, 9, 64, 180, 300], 16: [1 + (299 * i) // 15 for i in range(16)]}
+MAX_NEW_TOKENS = 12
+BATCHES = {1: [37], 5: [1, 9, 64, 180, 300], 16: [2 + 4 * i for i in range(16)]}  # prompt lengths
 TREES = [(1, 4), (2, 6), (4, 8)]  # (topk, draft tokens), 3 draft steps each
 CPU_ENGINE_ARGS = {"attention_backend": "torch_native", "sampling_backend": "pytorch", "disable_cuda_graph": True,
                    "mem_fraction_static": 0.05, "max_total_tokens": 16384, "context_length": 1024}
@@ -291,6 +291,7 @@ def main(argv=None) -> int:
     ap.add_argument("--work", type=Path, help="where to build the models (default: a temp dir)")
     ap.add_argument("--quick", action="store_true", help="one EAGLE and one EAGLE3 engine (topk 2 / 6) only")
     ap.add_argument("--skip-control", action="store_true")
+    ap.add_argument("--engines", help="comma-separated ALGORITHM:TOPK to run (e.g. EAGLE:1,None:1), default all")
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
     t0 = time.perf_counter()
@@ -301,6 +302,8 @@ def main(argv=None) -> int:
     engines += [(None, 1, 1, "final"), (None, 1, 1, "eagle3")]
     if args.quick:
         engines = [(a, 2, 6, layers) for a, _, _, layers in engines[::3][:2]]
+    if args.engines:
+        engines = [e for e in engines if f"{e[0]}:{e[1]}" in args.engines.split(",")]
     cells = []
     for i, (algorithm, topk, draft_tokens, layers) in enumerate(engines):
         cells += run_engine(oracle, models, algorithm, topk, draft_tokens, layers, seed=1000 * i)

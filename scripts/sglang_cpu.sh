@@ -11,7 +11,7 @@
 #     unconditionally; on CPU it only runs kernels through its interpreter), apache-tvm-ffi,
 #     compressed-tensors and xgrammar at SGLang's pins;
 #   - hsx itself (editable) under the same constraint.
-# Then it puts scripts/sglang_cpu/ on PYTHONPATH, so that every Python process (SGLang's scheduler
+# Then it puts scripts/sglang_cpu/ (and the checkout) on PYTHONPATH, so that every Python process (SGLang's scheduler
 # subprocess too) imports scripts/sglang_cpu/sitecustomize.py first: stand-ins for torchvision and
 # sgl_kernel, real versions of the sgl_kernel CPU ops on the EAGLE path, and the torch_native
 # attention forwards EAGLE needs (scripts/sglang_cpu/cpu_lane/). It sets SGLANG_USE_CPU_ENGINE=1
@@ -55,7 +55,9 @@ install() {
 }
 
 install
-export PYTHONPATH="$ROOT/scripts/sglang_cpu${PYTHONPATH:+:$PYTHONPATH}"
+# the checkout first: `import hsx` is this checkout's code even where the venv's editable install
+# points at another checkout sharing $HSX_SGLANG_VENV
+export PYTHONPATH="$ROOT/scripts/sglang_cpu:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export SGLANG_USE_CPU_ENGINE=1
 export PATH="$VENV/bin:$PATH"
 export VIRTUAL_ENV="$VENV"

@@ -53,7 +53,8 @@ MAX_NEW_TOKENS = 12
 BATCHES = {1: [37], 5: [1, 9, 64, 180, 300], 16: [2 + 4 * i for i in range(16)]}  # prompt lengths
 TREES = [(1, 4), (2, 6), (4, 8)]  # (topk, draft tokens), 3 draft steps each
 CPU_ENGINE_ARGS = {"attention_backend": "torch_native", "sampling_backend": "pytorch", "disable_cuda_graph": True,
-                   "mem_fraction_static": 0.05, "max_total_tokens": 16384, "context_length": 1024}
+                   "mem_fraction_static": 0.05, "max_total_tokens": 16384, "context_length": 1024,
+                   "sleep_on_idle": True}  # the scheduler otherwise polls a core while the oracle runs
 
 
 @dataclass
@@ -218,8 +219,8 @@ def run_engine(oracle, models, algorithm, topk, draft_tokens, layers, seed) -> l
                                                                                  f"plain{b}")) for b in (5, 16)]
     finally:
         runner.engine.shutdown()
-    print(f"[grid] {label}: engine start {started:.1f} s, cells {time.perf_counter() - t0 - started:.1f} s",
-          flush=True)
+    print(f"[grid] {label}: engine start {started:.1f} s, cells {time.perf_counter() - t0 - started:.1f} s, "
+          f"{sum(c.ok for c in cells)}/{len(cells)} cells OK", flush=True)
     return cells
 
 

@@ -12,7 +12,9 @@
   ``topk`` branches of a request its own row of an expanded ``req_to_token`` table: the request's
   prefix followed by the branch's draft slots (branch t, step s at ``seq_len + t * num_steps + s``,
   the layout of ``per_step_draft_out_cache_loc``), so step s attends to ``seq_len + s + 1`` keys.
-  The decode itself is the stock torch_native one.
+
+Both run one SDPA per layer over the batch padded to its longest row, with a boolean visibility
+mask (the stock backend loops over requests in Python).
 """
 
 from __future__ import annotations
@@ -24,6 +26,21 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 
+def _attend(backend, q, layer, slots: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """One SDPA over a padded batch: query group g sees keys ``slots[g]`` where ``visible[g]`` is True.
+
+    q: [G * n, heads * dim]; slots: [G, K] KV-pool rows; visible: [G, n, K] -> out [G * n, heads * v_dim].
+    """
+    heads, groups, n = layer.tp_q_head_num, slots.shape[0], visible.shape[1]
+    keys = backend.token_to_kv_pool.get_key_buffer(layer.layer_id)[slots]  # [G, K, kv_heads, dim]
+    values = backend.token_to_kv_pool.get_value_buffer(layer.layer_id)[slots]
+    qg = q.reshape(groups, n, heads, layer.qk_head_dim).transpose(1, 2)  # [G, heads, n, dim]
+    out = scaled_dot_product_attention(qg, keys.transpose(1, 2).to(qg.dtype), values.transpose(1, 2).to(qg.dtype),
+                                       attn_mask=visible[:, None], scale=layer.scaling,
+                                       enable_gqa=heads != layer.tp_k_head_num)  # [G, heads, n, v_dim]
+    return out.transpose(1, 2).reshape(groups * n, heads * layer.v_head_dim)
+
+
 class SpecTorchNativeBackend(TorchNativeAttnBackend):
     """``TorchNativeAttnBackend`` plus the tree-masked TARGET_VERIFY forward."""
 
@@ -33,43 +50,37 @@ class SpecTorchNativeBackend(TorchNativeAttnBackend):
         if save_kv_cache and k is not None and v is not None:
             self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc),
                                                 k, v)
-        return self._verify(q, layer, forward_batch)
+        slots, visible = self._verify_layout(forward_batch)
+        return _attend(self, q, layer, slots, visible)
 
-    def _verify(self, q, layer, fb):
-        spec = fb.spec_info
-        n = spec.draft_token_num
-        heads, dim = layer.tp_q_head_num, layer.qk_head_dim
-        q_ = q.reshape(-1, heads, dim)  # [bs * n, heads, dim]
-        out = q.new_empty((q_.shape[0], heads, layer.v_head_dim))
-        keys = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
-        values = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
-        tree = spec.custom_mask.view(fb.batch_size, n, n)  # [bs, query draft, key draft], True = visible
-        r2t = self.req_to_token_pool.req_to_token
-        for i in range(fb.batch_size):
-            prefix = int(fb.seq_lens[i])
-            slots = r2t[fb.req_pool_indices[i], :prefix + n].long()  # committed prefix, then the n drafts
-            visible = torch.cat([tree.new_ones((n, prefix)), tree[i]], dim=1)  # [n, prefix + n]
-            qi = q_[i * n:(i + 1) * n].movedim(0, 1)  # [heads, n, dim]
-            ki, vi = (c[slots].movedim(0, 1).to(qi.dtype) for c in (keys, values))  # [kv_heads, prefix + n, dim]
-            oi = scaled_dot_product_attention(qi[None], ki[None], vi[None], attn_mask=visible, scale=layer.scaling,
-                                              enable_gqa=heads != layer.tp_k_head_num)
-            out[i * n:(i + 1) * n] = oi[0].movedim(1, 0)
-        return out.view(-1, heads * layer.v_head_dim)
+    def _verify_layout(self, fb) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per request: its committed prefix (all visible) then its n drafts (visible per the tree mask)."""
+        n = fb.spec_info.draft_token_num
+        prefix = fb.seq_lens.long()  # [bs], without the drafts
+        tree = fb.spec_info.custom_mask.view(fb.batch_size, n, n)  # [bs, query draft, key draft], True = visible
+        cols = torch.arange(int(prefix.max()) + n, device=prefix.device)
+        rel = cols[None, :] - prefix[:, None]  # [bs, K]: < 0 prefix, 0..n-1 drafts, >= n padding
+        in_tree = (rel >= 0) & (rel < n)
+        drafts = tree.gather(2, rel.clamp(0, n - 1)[:, None, :].expand(-1, n, -1))  # [bs, n, K]
+        visible = (rel < 0)[:, None, :] | (drafts & in_tree[:, None, :])
+        rows = self.req_to_token_pool.req_to_token[fb.req_pool_indices.long()[:, None], cols[None, :]]
+        return rows.long().masked_fill(~(rel < n), 0), visible
 
 
 class _DraftStepBackend(SpecTorchNativeBackend):
-    """Step ``step`` of the draft loop: stock torch_native decode over the expanded per-branch table."""
+    """Step ``step`` of the draft loop: each branch attends to its row of the expanded per-branch table."""
 
     def __init__(self, model_runner, step: int):
         super().__init__(model_runner)
         self.step = step
-        self.branch_table = None  # (req_to_token rows, their pool indices, key counts), set per draft
+        self.branch_table = None  # (slots [rows, K], visible [rows, 1, K]), set per draft
 
-    def _run_sdpa_forward_decode(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
-                                 *args, **kwargs):
-        table, rows, lengths = self.branch_table
-        return super()._run_sdpa_forward_decode(query, output, k_cache, v_cache, table, rows, lengths, *args,
-                                                **kwargs)
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc),
+                                                k, v)
+        slots, visible = self.branch_table
+        return _attend(self, q, layer, slots, visible)
 
 
 class TorchNativeMultiStepDraftBackend:
@@ -93,12 +104,13 @@ class TorchNativeMultiStepDraftBackend:
         return self.req_to_token[pool_rows, source]
 
     def init_forward_metadata(self, forward_batch):
-        table = self.branch_rows(forward_batch.req_pool_indices, forward_batch.seq_lens)
-        rows = torch.arange(table.shape[0], device=table.device)
-        base = forward_batch.seq_lens.long().repeat_interleave(self.topk)
+        table = self.branch_rows(forward_batch.req_pool_indices, forward_batch.seq_lens).long()  # [rows, K]
+        lengths = forward_batch.seq_lens.long().repeat_interleave(self.topk)  # prefix keys of each branch
+        cols = torch.arange(table.shape[1], device=table.device)[None, :]
         for backend in self.attn_backends:
             backend.init_forward_metadata(forward_batch)
-            backend.branch_table = (table, rows, base + backend.step + 1)
+            visible = cols < (lengths + backend.step + 1)[:, None]  # prefix + this branch's drafts 0..step
+            backend.branch_table = (table.masked_fill(~visible, 0), visible[:, None, :])
 
 
 def create_torch_native_backend(runner):

@@ -82,11 +82,11 @@ class EngineSpy:
     """Keeps each raw SGLang output so the grid can check it before hsx converts it."""
 
     def __init__(self, engine):
-        self.engine, self.outputs = engine, []
+        self.engine, self.calls = engine, []
 
     def generate(self, **kwargs):
         outs = self.engine.generate(**kwargs)
-        self.outputs = outs if isinstance(outs, list) else [outs]
+        self.calls.append(outs if isinstance(outs, list) else [outs])
         return outs
 
     def shutdown(self):
@@ -186,8 +186,12 @@ def run_cell(oracle: Oracle, runner: SGLangRunner, cell: Cell, prompts: list[Pro
         runner.cfg = dataclasses.replace(runner.cfg, mode=mode)
     group = runner.groups[0]
     off_by_one = tuple(s - 1 for s in group.sources) if runner.plan.algorithm == "EAGLE3" else None
+    runner.engine.calls.clear()
     samples = runner.run(prompts)
-    for prompt, sample, raw in zip(prompts, samples, runner.engine.outputs):
+    if len(runner.engine.calls) != 1:  # hsx re-runs retracted requests; the grid's memory settings never retract
+        cell.failures.append(f"{len(runner.engine.calls)} generate calls for one batch (a request was retracted)")
+        return cell
+    for prompt, sample, raw in zip(prompts, samples, runner.engine.calls[0], strict=True):
         oracle.check(cell, prompt, sample, raw, group, mode, off_by_one)
     return cell
 

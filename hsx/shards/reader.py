@@ -22,6 +22,7 @@ import torch
 from hsx.errors import ShardError
 from hsx.shards import format as fmt
 from hsx.shards.manifest import MANIFEST, ErrorRecord, ShardEntry, bytes_checksum, load_manifest
+from hsx.shards.readonly import read_only
 
 
 def _np_to_torch(a: np.ndarray) -> torch.Tensor:
@@ -97,6 +98,7 @@ def load_shard(path: Path, entry: ShardEntry | None) -> _Shard:
         raise ShardError(f"{path}: unreadable Parquet ({e})") from None
     meta = fmt.read_metadata(table.schema, str(path))
     check_schema(table.schema, meta, str(path))
+    fmt.check_row_bytes(table, meta, str(path))
     if entry is not None:
         if table.num_rows != entry.samples:
             raise ShardError(f"{path}: {table.num_rows} samples, manifest says {entry.samples}")
@@ -270,6 +272,7 @@ class ShardDataset:
             parts = [t.view(torch.uint8).numpy().reshape(-1) for t in hidden if t.numel()]
             raw = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
             h = torch.from_numpy(raw).view(dtype).view(-1, width) if raw.size else torch.empty((0, width), dtype=dtype)
+            h = read_only(h)  # the same contract as a view: clone to modify
         cat = lambda xs: torch.from_numpy(np.concatenate(xs).astype(np.int64)) if xs else torch.zeros(0, dtype=torch.int64)
         sample_index, position, token_id = cat(owner), cat(pos), cat(tok)
         if not keep.all():

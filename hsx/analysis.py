@@ -171,6 +171,17 @@ def token_table(ds, tokenizer=None) -> pd.DataFrame:
     return df
 
 
+def token_split(ds, table: pd.DataFrame) -> tuple[pd.Series, str]:
+    """The two kinds of token a plot should tell apart, per token table row, and their title.
+
+    generate mode: ``prompt`` / ``completion``. prefill mode has no completion (every token is
+    prompt), so it splits by ``loss_mask`` instead: ``assistant`` (tokens learned from) / ``context``.
+    """
+    if ds.metadata["mode"] == "prefill":
+        return table["loss_mask"].astype(bool).map({True: "assistant", False: "context"}), "assistant vs context (loss_mask)"
+    return table["is_prompt"].map({True: "prompt", False: "completion"}), "prompt vs completion"
+
+
 def token_texts(tokenizer, ids) -> dict[int, str]:
     """Decoded text of each distinct token id (one tokenizer call); -1 maps to ''."""
     uniq = [int(i) for i in np.unique(np.asarray(ids)) if i >= 0]

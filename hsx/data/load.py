@@ -16,7 +16,9 @@ Every failure of the underlying library surfaces as :class:`~hsx.errors.HsxError
 from __future__ import annotations
 
 import codecs
+import contextlib
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -60,7 +62,8 @@ def _open(source: str, data_files) -> datasets.DatasetDict | datasets.Dataset:
             if builder in ("json", "csv"):
                 check_utf8(path)
             try:
-                return datasets.load_dataset(builder, data_files={"train": str(path)})
+                with _quiet_json_log():  # its message counts rows from 0; check_json names the line
+                    return datasets.load_dataset(builder, data_files={"train": str(path)})
             except Exception:
                 if builder == "json":
                     check_json(path)  # names the first bad line, if that is what went wrong
@@ -79,6 +82,17 @@ def _open(source: str, data_files) -> datasets.DatasetDict | datasets.Dataset:
         if isinstance(exc, ConnectionError) or "Hub" in str(exc):
             hint = " (hub datasets need network access; download it elsewhere and pass the local path)"
         raise HsxError(f"cannot read dataset {source!r}: {type(exc).__name__}: {exc}{hint}") from exc
+
+
+@contextlib.contextmanager
+def _quiet_json_log():
+    log = logging.getLogger("datasets.packaged_modules.json.json")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _position(path: Path, data: bytes, offset: int) -> str:

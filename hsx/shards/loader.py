@@ -39,6 +39,7 @@ from hsx.shards.manifest import ShardEntry, file_checksum
 from hsx.shards.reader import check_schema, open_shards, row_labels
 
 LABELS = ("token_id", "next_token", "position", "sample_index")
+SAMPLES_PER_READ = 16  # samples decoded at a time: memory is this many samples, not a whole row group
 _BASE = ["input_ids", "prompt_len", "loss_mask"]
 
 
@@ -97,26 +98,35 @@ class TokenLoader(IterableDataset):
 
     # -- reading one block
 
-    def _read(self, block: _Block, checked: set[int]) -> dict[str, np.ndarray]:
+    def _read(self, block: _Block, checked: set[int]) -> Iterator[dict[str, np.ndarray]]:
+        """The block's chosen rows, a few samples at a time (a row group can be far larger than that)."""
         path, entry = self._paths[block.shard], self._entries[block.shard]
         if block.shard not in checked:
             _check_file(path, entry)
             checked.add(block.shard)
-        f = pq.ParquetFile(path, memory_map=True, page_checksum_verification=entry is None)
+        f = pq.ParquetFile(path, page_checksum_verification=entry is None)
         meta = fmt.read_metadata(f.schema_arrow, str(path))
         check_schema(f.schema_arrow, meta, str(path))
-        table = f.read_row_group(block.row_group, columns=_BASE + self.columns)
-        fmt.check_row_bytes(table, {**meta, "layers": self._layers}, str(path))
+        first = block.first_sample
+        for batch in f.iter_batches(batch_size=SAMPLES_PER_READ, row_groups=[block.row_group],
+                                    columns=_BASE + self.columns, use_threads=False):
+            table = pa.Table.from_batches([batch])
+            yield self._rows(table, meta, str(path), first, block)
+            first += table.num_rows
+
+    def _rows(self, table: pa.Table, meta: dict, where: str, first: int, block: _Block) -> dict[str, np.ndarray]:
+        fmt.check_row_bytes(table, {**meta, "layers": self._layers}, where)
         ids, prompt, mask = (table.column(c).combine_chunks() for c in _BASE)
         hidden = {g["name"]: _raw_rows(table.column(g["name"]), g, meta["dtype"]) for g in self._layers}
-        lengths = _lengths(table.column(self._layers[0]["name"])) if self._layers else None
-        labels = row_labels(meta, ids, prompt, mask, lengths, str(path), self.where)
-        chosen = np.array_split(np.flatnonzero(labels.chosen), block.parts)[block.part]
+        labels = row_labels(meta, ids, prompt, mask, _lengths(table.column(self._layers[0]["name"])), where, self.where)
+        sample = labels.owner + first
+        # a block shared by several consumers: each takes every parts-th sample
+        chosen = np.flatnonzero(labels.chosen & (sample % block.parts == block.part))
         out = {name: rows[chosen] for name, rows in hidden.items()}
         out["token_id"] = labels.token_id[chosen]
         out["next_token"] = labels.next_token[chosen]
         out["position"] = labels.position[chosen]
-        out["sample_index"] = labels.owner[chosen] + block.first_sample
+        out["sample_index"] = sample[chosen]
         return out
 
     # -- iteration
@@ -130,12 +140,12 @@ class TokenLoader(IterableDataset):
         batches = _Batcher(self.batch_size)
         checked: set[int] = set()
         for block in self._blocks(consumer, consumers):
-            rows = self._read(block, checked)
-            if self.shuffle_buffer:
-                order = rng.permutation(len(rows["position"]))
-                rows = {k: v[order] for k, v in rows.items()}
-            for out in buffer.push(rows):
-                yield from (self._tensors(b) for b in batches.add(out))
+            for rows in self._read(block, checked):
+                if self.shuffle_buffer:
+                    order = rng.permutation(len(rows["position"]))
+                    rows = {k: v[order] for k, v in rows.items()}
+                for out in buffer.push(rows):
+                    yield from (self._tensors(b) for b in batches.add(out))
         for out in buffer.drain():
             yield from (self._tensors(b) for b in batches.add(out))
         last = batches.flush()

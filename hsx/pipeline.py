@@ -62,8 +62,12 @@ def differences(old, new, prefix: str = "") -> list[str]:
         return out
     if old == new:
         return []
-    short = lambda v: (r := repr(v)) if len(repr(v)) <= 60 else r[:57] + "..."
-    return [f"{prefix[:-1]}: {short(old)} -> {short(new)}"]
+    return [f"{prefix[:-1]}: {_short(old)} -> {_short(new)}"]
+
+
+def _short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _saved_config(out: Path) -> dict | None:

@@ -222,3 +222,25 @@ def test_the_pca_split_panel_has_both_kinds_in_either_mode(tmp_path, mode, kinds
         assert "loss_mask" in title
     else:
         assert ((kind == "prompt") == table["is_prompt"]).all()
+
+
+def test_a_changed_dataset_refusal_names_the_metadata_fields(model_dir, tmp_path):
+    data, out = write_rows(tmp_path / "data.jsonl", ROWS), tmp_path / "out"
+    runner = CliRunner()
+    assert runner.invoke(app, extract_args(model_dir, data, out)).exit_code == 0
+    write_rows(data, ROWS + [{"id": "d", "text": "One more row."}])
+    again = runner.invoke(app, extract_args(model_dir, data, out))
+    assert isinstance(again.exception, HsxError)
+    msg = str(again.exception)
+    assert "dataset.num_rows: 3 -> 4" in msg and "dataset.fingerprint: '" in msg, msg
+    assert hsx.open(out).sample_ids == ["a", "b", "c"]  # the committed run is untouched
+
+
+def test_differences_lists_leaf_fields_and_shortens_long_values():
+    from hsx.pipeline import differences
+
+    old = {"a": 1, "b": {"c": "x" * 100, "d": 2}, "same": [1, 2]}
+    new = {"a": 2, "b": {"c": "y" * 100, "d": 2}, "same": [1, 2], "e": None}
+    got = differences(old, new)
+    assert got[0] == "a: 1 -> 2" and got[1].startswith("b.c: 'xxx") and got[1].count("...") == 2
+    assert len(got) == 2  # e: None on one side and absent on the other is no difference

@@ -62,6 +62,8 @@ class TokenLoader(IterableDataset):
         self.metadata = ds.metadata
         self.columns = list(columns) if columns is not None else ds.columns
         unknown = [c for c in self.columns if c not in ds.columns]
+        if not self.columns:
+            raise HsxError(f"{path}: no hidden-state column to load; columns: {ds.columns}")
         if unknown:
             raise HsxError(f"{path}: no hidden-state column(s) {unknown}; columns: {ds.columns}")
         self.where = positions.check_rule(where, ds.metadata["mode"], "where")

@@ -34,7 +34,12 @@ torch.set_num_threads(1)
 import hsx, hsx.shards.loader, pyarrow, pyarrow.parquet
 from torch.utils.data import DataLoader
 d, how, batch, buffer = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-peak = lambda who=resource.RUSAGE_SELF: resource.getrusage(who).ru_maxrss
+def peak(who=None):
+    # this process's own peak: ru_maxrss would carry a large forking parent's over exec
+    if who is not None:
+        return resource.getrusage(who).ru_maxrss
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
 pyarrow.array([1]).to_numpy()  # pyarrow imports pandas on first use: not the method's memory
 before = peak()
 t0 = time.perf_counter()

@@ -35,7 +35,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from hsx.errors import HsxError, ShardError
 from hsx.shards import format as fmt
 from hsx.shards import positions
-from hsx.shards.manifest import ShardEntry, file_checksum
+from hsx.shards.manifest import ShardEntry, streamed_checksum
 from hsx.shards.reader import check_schema, open_shards, row_labels
 
 LABELS = ("token_id", "next_token", "position", "sample_index")
@@ -106,7 +106,8 @@ class TokenLoader(IterableDataset):
         if block.shard not in checked:
             _check_file(path, entry)
             checked.add(block.shard)
-        f = pq.ParquetFile(path, page_checksum_verification=entry is None)
+        # no pre-buffering: a row group's column chunks are read page by page, not held whole
+        f = pq.ParquetFile(path, page_checksum_verification=entry is None, pre_buffer=False, buffer_size=1 << 20)
         meta = fmt.read_metadata(f.schema_arrow, str(path))
         check_schema(f.schema_arrow, meta, str(path))
         first = block.first_sample
@@ -259,7 +260,7 @@ def _check_file(path: Path, entry: ShardEntry | None) -> None:
     size = path.stat().st_size
     if size != entry.bytes:
         raise ShardError(f"{path}: {size} bytes on disk, manifest says {entry.bytes} (truncated or rewritten)")
-    digest = file_checksum(path)
+    digest = streamed_checksum(path)
     if digest != entry.xxh3_128:
         raise ShardError(f"{path}: checksum {digest} does not match the manifest's {entry.xxh3_128} (corrupt)")
 

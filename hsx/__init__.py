@@ -4,7 +4,7 @@ __version__ = "0.1.0"
 
 from hsx.errors import AlignmentError, HsxError, SampleError, ShardError  # noqa: E402
 
-__all__ = ["__version__", "HsxError", "AlignmentError", "SampleError", "ShardError", "open"]
+__all__ = ["__version__", "HsxError", "AlignmentError", "SampleError", "ShardError", "open", "tokens_loader"]
 
 
 def open(path, **kwargs):  # noqa: A001 - the public name is hsx.open
@@ -12,3 +12,10 @@ def open(path, **kwargs):  # noqa: A001 - the public name is hsx.open
     from hsx.shards.reader import open_shards
 
     return open_shards(path, **kwargs)
+
+
+def tokens_loader(path, columns=None, where="all", batch_size=1024, shuffle_buffer=1 << 16, seed=0, **kwargs):
+    """A streaming torch ``IterableDataset`` of token rows in shuffled batches; see :mod:`hsx.shards.loader`."""
+    from hsx.shards.loader import tokens_loader as make
+
+    return make(path, columns, where, batch_size, shuffle_buffer, seed, **kwargs)

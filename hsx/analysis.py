@@ -29,6 +29,7 @@ import torch
 
 from hsx.errors import HsxError
 from hsx.shards import format as fmt
+from hsx.shards import positions
 
 PREFILL_STEP = -1  # completion token 0: produced by the prefill forward
 NO_STEP = -2  # prompt tokens, and completion tokens of samples without accept lengths
@@ -52,6 +53,8 @@ class _Flat:
     has_accept: np.ndarray  # [S] bool, accept_lens not null
     accept: np.ndarray  # [sum accept_len] int64, every step's accept length, samples in order
     rows: np.ndarray  # [S] hidden rows per sample
+    row_owner: np.ndarray | None = None  # [R] sample of each stored row, samples in order
+    row_pos: np.ndarray | None = None  # [R] its position (every covered one unless --keep chose fewer)
 
 
 def _lengths(col) -> np.ndarray:
@@ -65,17 +68,23 @@ def _flatten(col) -> np.ndarray:
 def _flat(ds) -> _Flat:
     t = ds.table(["sample_id", "input_ids", "prompt_len", "loss_mask", "accept_lens"])
     n_tok = _lengths(t.column("input_ids"))
+    prompt = t.column("prompt_len").to_numpy().astype(np.int64)
+    loss_mask = _flatten(t.column("loss_mask")).astype(np.uint8)
+    tok_start = np.concatenate([[0], np.cumsum(n_tok)])
+    owner, pos = positions.kept(fmt.keep_of(ds.metadata), ds.metadata["mode"], n_tok, prompt, loss_mask, tok_start)
     return _Flat(
         sample_id=t.column("sample_id").to_pylist(),
         ids=_flatten(t.column("input_ids")),
-        loss_mask=_flatten(t.column("loss_mask")).astype(np.uint8),
-        prompt=t.column("prompt_len").to_numpy().astype(np.int64),
+        loss_mask=loss_mask,
+        prompt=prompt,
         n_tok=n_tok,
-        tok_start=np.concatenate([[0], np.cumsum(n_tok)]),
+        tok_start=tok_start,
         accept_len=_lengths(t.column("accept_lens")),
         has_accept=t.column("accept_lens").is_valid().to_numpy(zero_copy_only=False),
         accept=_flatten(t.column("accept_lens")),
-        rows=fmt.expected_rows(n_tok, ds.metadata["mode"]).astype(np.int64),
+        rows=np.bincount(owner, minlength=len(n_tok)).astype(np.int64),
+        row_owner=owner,
+        row_pos=pos,
     )
 
 
@@ -124,7 +133,7 @@ def accept_steps(prompt_len: int, num_tokens: int, accept_lens) -> np.ndarray:
 
 def _row_index(f: _Flat) -> tuple[np.ndarray, np.ndarray]:
     """(owner sample, position) of every hidden row, samples in dataset order."""
-    return np.repeat(np.arange(len(f.rows)), f.rows), _index_in_group(f.rows)
+    return f.row_owner, f.row_pos
 
 
 # --- the token table and the states that go with it ---------------------------------------------
@@ -160,6 +169,17 @@ def token_table(ds, tokenizer=None) -> pd.DataFrame:
         df["token"] = df["token_id"].map(text)
         df["next_token"] = df["next_token_id"].map(text)
     return df
+
+
+def token_split(ds, table: pd.DataFrame) -> tuple[pd.Series, str]:
+    """The two kinds of token a plot should tell apart, per token table row, and their title.
+
+    generate mode: ``prompt`` / ``completion``. prefill mode has no completion (every token is
+    prompt), so it splits by ``loss_mask`` instead: ``assistant`` (tokens learned from) / ``context``.
+    """
+    if ds.metadata["mode"] == "prefill":
+        return table["loss_mask"].astype(bool).map({True: "assistant", False: "context"}), "assistant vs context (loss_mask)"
+    return table["is_prompt"].map({True: "prompt", False: "completion"}), "prompt vs completion"
 
 
 def token_texts(tokenizer, ids) -> dict[int, str]:
@@ -228,9 +248,10 @@ def layer_sources(ds, columns=None) -> list[LayerSlice]:
 def states(ds, name: str, source=None) -> torch.Tensor:
     """[R, W] float32 states of column ``name`` (or one of its sources), row r = token table row r."""
     tm = ds.tokens(name)
-    rows = fmt.expected_rows(_lengths(ds.table(["input_ids"]).column("input_ids")), ds.metadata["mode"])
-    starts = torch.from_numpy(np.cumsum(rows) - rows).long()
-    key = starts[tm.sample_index] + tm.position  # [R] table row of each matrix row
+    owner, pos = _row_index(_flat(ds))  # token table order: samples in dataset order, positions ascending
+    stride = int(pos.max()) + 1 if pos.size else 1
+    order = owner * stride + pos
+    key = torch.from_numpy(np.searchsorted(order, tm.sample_index.numpy() * stride + tm.position.numpy()))
     h = tm.hidden
     if source is not None:
         sl = next((s for s in split_sources(ds, name) if s.source == source), None)

@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from hsx.config import ExtractConfig
 from hsx.errors import HsxError
 
 app = typer.Typer(
@@ -25,6 +26,7 @@ app.add_typer(export_app, name="export")
 
 PathArg = Annotated[Path, typer.Argument(help="An hsx output directory (with manifest.json) or one shard file.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+_D = ExtractConfig()  # the one source of the defaults --help shows
 
 
 def _fail(message: str, code: int = 2) -> None:
@@ -33,17 +35,20 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 @app.command()
-def inspect(path: PathArg, as_json: AsJson = False) -> None:
-    """Summarise shards: samples, tokens, bytes, dtype, layer groups, model, engine, acceptance."""
+def inspect(
+    path: PathArg,
+    as_json: AsJson = False,
+    errors: Annotated[bool, typer.Option("--errors", help="List every error record (by default the first 10).")] = False,
+) -> None:
+    """Summarise shards: samples, tokens, bytes, dtype, layer groups, model, engine, acceptance, error records."""
+    from hsx.report import format_inspect
     from hsx.shards.verify import inspect as inspect_shards
 
     summary = inspect_shards(path)
     if as_json:
         typer.echo(json.dumps(summary, indent=1, default=str))
         return
-    from hsx.report import format_inspect
-
-    typer.echo(format_inspect(summary))
+    typer.echo(format_inspect(summary, all_errors=errors))
 
 
 @app.command()
@@ -67,6 +72,24 @@ def _opt(help: str, *names: str, **kw):
     return typer.Option(*names, help=help, show_default=False, **kw)
 
 
+def _cfg(help: str, *names: str, **kw):
+    """An option whose default is ExtractConfig's (shown in --help; a config file's value wins over it)."""
+    return typer.Option(*names, help=help, show_default=True, **kw)
+
+
+_REQUIRED_FROM_CONFIG = ("model", "dataset", "output")
+
+
+def _load_required(ctx: typer.Context, config: Optional[Path]) -> Optional[Path]:
+    """``--config`` is read first: the options marked required may come from the file instead."""
+    if config is not None:
+        from hsx.config import ExtractConfig
+
+        given = ExtractConfig.from_file(config).to_dict()
+        ctx.default_map = {**(ctx.default_map or {}), **{k: given[k] for k in _REQUIRED_FROM_CONFIG if given[k]}}
+    return config
+
+
 def _engine_args(tp_size, dp_size, mem_fraction, attention_backend, pairs) -> dict:
     """sglang.Engine keyword arguments from the command line, under SGLang's own names."""
     args = {"tp_size": tp_size, "dp_size": dp_size, "mem_fraction_static": mem_fraction,
@@ -85,50 +108,56 @@ def _engine_args(tp_size, dp_size, mem_fraction, attention_backend, pairs) -> di
 
 @app.command()
 def extract(
-    model: Annotated[Optional[str], _opt("Target model: a local path (or hub id where a hub is reachable).")] = None,
-    dataset: Annotated[Optional[str], _opt("A local json/jsonl/parquet/csv file, a saved dataset directory, or a hub name.")] = None,
-    output: Annotated[Optional[str], _opt("Output directory for shards and manifest.", "--output", "-o")] = None,
+    ctx: typer.Context,
+    model: Annotated[str, _opt("Target model: a local path (or hub id where a hub is reachable); or model in --config.")],
+    dataset: Annotated[str, _opt("A local json/jsonl/parquet/csv file, a saved dataset directory, or a hub name; or dataset in --config.")],
+    output: Annotated[str, _opt("Output directory for shards and manifest; or output in --config.", "--output", "-o")],
     draft_model: Annotated[Optional[str], _opt("Draft model for speculative decoding (shares the tokenizer).")] = None,
-    engine: Annotated[Optional[str], _opt("Engine: hf (transformers, CPU or GPU) or sglang.")] = None,
-    mode: Annotated[Optional[str], _opt("generate: prompt + completion; prefill: teacher-forced over whole conversations.")] = None,
-    layers: Annotated[Optional[str], _opt("Comma-separated layer groups: final, eagle3, boundary numbers (0 = embeddings, L = last block before the norm).")] = None,
-    dtype: Annotated[Optional[str], _opt("Stored dtype: bfloat16 (default, bit-exact), float16, float32.")] = None,
-    split: Annotated[Optional[str], _opt("Dataset split (default train).")] = None,
+    engine: Annotated[str, _cfg("Engine: hf (transformers, CPU or GPU) or sglang.")] = _D.engine,
+    mode: Annotated[str, _cfg("generate: prompt + completion; prefill: teacher-forced over whole conversations.")] = _D.mode,
+    layers: Annotated[str, _cfg("Comma-separated layer groups: final, eagle3, boundary numbers (0 = embeddings, L = last block before the norm).")] = _D.layers,
+    keep: Annotated[str, _cfg("Positions that get rows: all, completion (rows that produced the completion), loss (rows predicting a loss_mask token), last (one row per sample).")] = _D.keep,
+    dtype: Annotated[str, _cfg("Stored dtype: bfloat16 (bit-exact), float16, float32.")] = _D.dtype,
+    split: Annotated[str, _cfg("Dataset split.")] = _D.split,
     limit: Annotated[Optional[int], _opt("Process only the first N rows.")] = None,
     id_field: Annotated[Optional[str], _opt("Column holding a stable sample id (default: split:index).")] = None,
     text_field: Annotated[Optional[str], _opt("Column holding plain text (default: text/prompt/content/question).")] = None,
     chat_template: Annotated[Optional[str], _opt("A Jinja chat template file overriding the tokenizer's.")] = None,
     max_length: Annotated[Optional[int], _opt("Longest prompt accepted (default: the model's context length).")] = None,
-    batch_size: Annotated[Optional[int], _opt("Requests per engine batch (default 8).")] = None,
-    max_new_tokens: Annotated[Optional[int], _opt("Completion budget per sample in generate mode (default 128).")] = None,
-    temperature: Annotated[Optional[float], _opt("Sampling temperature; 0 = greedy (default).")] = None,
-    top_p: Annotated[Optional[float], _opt("Nucleus sampling threshold (default 1.0).")] = None,
-    seed: Annotated[Optional[int], _opt("Random seed for sampling (default 0).")] = None,
+    batch_size: Annotated[int, _cfg("Requests per engine batch.")] = _D.batch_size,
+    max_new_tokens: Annotated[int, _cfg("Completion budget per sample in generate mode.")] = _D.max_new_tokens,
+    temperature: Annotated[float, _cfg("Sampling temperature; 0 = greedy.")] = _D.temperature,
+    top_p: Annotated[float, _cfg("Nucleus sampling threshold.")] = _D.top_p,
+    seed: Annotated[int, _cfg("Random seed for sampling.")] = _D.seed,
     spec_num_steps: Annotated[Optional[int], _opt("Draft depth per verify step (default 3).")] = None,
     spec_topk: Annotated[Optional[int], _opt("Draft branching: 1 = chain, >1 = tree (default 1).")] = None,
     spec_num_draft_tokens: Annotated[Optional[int], _opt("Verify stride, root included (default num_steps + 1 for chains).")] = None,
     spec_algorithm: Annotated[Optional[str], _opt("--engine sglang: EAGLE or EAGLE3 (NGRAM, STANDALONE, DFLASH are refused).")] = None,
-    eagle3_layer_ids: Annotated[Optional[str], _opt("EAGLE3 aux layer ids as a draft config gives them, e.g. 1,15,28.")] = None,
-    device: Annotated[Optional[str], _opt("auto, cpu, cuda or cuda:N (default auto).")] = None,
-    model_dtype: Annotated[Optional[str], _opt("Compute dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16.")] = None,
-    compression: Annotated[Optional[str], _opt("none (default) or zstd (smaller, slower).")] = None,
-    max_shard_mb: Annotated[Optional[int], _opt("Close a shard at about this size (default 512).")] = None,
-    max_shard_samples: Annotated[Optional[int], _opt("Close a shard after this many samples (default 100000).")] = None,
-    trust_remote_code: Annotated[Optional[bool], _opt("Allow model repositories to run their own code.", "--trust-remote-code")] = None,
+    eagle3_layer_ids: Annotated[Optional[str], _opt("EAGLE3 aux layer ids as a draft config gives them, e.g. 1,15,28 (default: the draft config's, else SGLang's [2, L//2, L-3] boundaries).")] = None,
+    device: Annotated[str, _cfg("auto, cpu, cuda or cuda:N.")] = _D.device,
+    model_dtype: Annotated[str, _cfg("Compute dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16.")] = _D.model_dtype,
+    compression: Annotated[str, _cfg("none or zstd (smaller, slower).")] = _D.compression,
+    max_shard_mb: Annotated[int, _cfg("Close a shard at about this size.")] = _D.max_shard_mb,
+    max_shard_samples: Annotated[int, _cfg("Close a shard after this many samples.")] = _D.max_shard_samples,
+    trust_remote_code: Annotated[bool, _opt("Allow model repositories to run their own code (off unless given).", "--trust-remote-code")] = False,
     tp_size: Annotated[Optional[int], _opt("--engine sglang: tensor-parallel size (sglang.Engine tp_size).")] = None,
     dp_size: Annotated[Optional[int], _opt("--engine sglang: data-parallel size (dp_size).")] = None,
     mem_fraction: Annotated[Optional[float], _opt("--engine sglang: GPU memory fraction for weights and KV cache (mem_fraction_static).")] = None,
     attention_backend: Annotated[Optional[str], _opt("--engine sglang: attention backend (attention_backend).")] = None,
     engine_arg: Annotated[Optional[list[str]], _opt("--engine sglang: any other sglang.Engine argument, KEY=VALUE (VALUE parsed as JSON when it can be); repeatable.")] = None,
-    config: Annotated[Optional[Path], _opt("A TOML or JSON file with any of these options (command-line options win).")] = None,
+    config: Annotated[Optional[Path], _opt("A TOML or JSON file with any of these options (command-line options win).",
+                                           is_eager=True, callback=_load_required)] = None,
     overwrite: Annotated[bool, _opt("Replace an existing output written with a different configuration.")] = False,
     quiet: Annotated[bool, _opt("No progress bar.", "--quiet", "-q")] = False,
 ) -> None:
     """Extract per-token hidden states from a dataset into aligned shards (resumes an interrupted run)."""
-    overrides = {k: v for k, v in locals().items() if k not in ("config", "overwrite", "quiet")}
-    engine_args = _engine_args(overrides.pop("tp_size"), overrides.pop("dp_size"), overrides.pop("mem_fraction"),
-                               overrides.pop("attention_backend"), overrides.pop("engine_arg"))
-    from hsx.config import ExtractConfig
+    # Only options given on the command line override the config file (defaults shown in --help are
+    # ExtractConfig's own, and the file's values win over them).
+    given = {k for k in ctx.params if getattr(ctx.get_parameter_source(k), "name", None) == "COMMANDLINE"}
+    overrides = {k: v for k, v in locals().items() if k in given and k not in ("config", "overwrite", "quiet")}
+    engine_args = _engine_args(tp_size, dp_size, mem_fraction, attention_backend, engine_arg)
+    for name in ("tp_size", "dp_size", "mem_fraction", "attention_backend", "engine_arg"):
+        overrides.pop(name, None)
     from hsx.pipeline import extract as run_extract
     from hsx.report import format_run
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hsx.errors import HsxError
+from hsx.shards.positions import check_rule
 
 Mode = Literal["generate", "prefill"]
 
@@ -38,6 +39,7 @@ class ExtractConfig:
     layers: str = "final"
     eagle3_layer_ids: list[int] | None = None  # draft-config ids; default: read from the draft config if any
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    keep: Literal["all", "completion", "loss", "last"] = "all"  # which positions get rows (hsx.shards.positions)
     # decoding
     batch_size: int = 8
     max_new_tokens: int = 128
@@ -71,6 +73,7 @@ class ExtractConfig:
             raise HsxError(f"--dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
         if self.batch_size < 1 or self.max_new_tokens < 1:
             raise HsxError("--batch-size and --max-new-tokens must be >= 1")
+        check_rule(self.keep, self.mode)
         if self.engine not in ("hf", "sglang"):
             raise HsxError(f"--engine must be hf or sglang, got {self.engine!r}")
         if self.speculative and self.draft_model is None and self.engine == "hf":

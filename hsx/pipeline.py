@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from hsx.config import ExtractConfig
 from hsx.errors import HsxError, SampleError
 from hsx.shards.format import build_metadata
+from hsx.shards.positions import sample_positions
 from hsx.shards.manifest import CONFIG, MANIFEST, Manifest, atomic_write_bytes, load_manifest, save_manifest
 from hsx.shards.writer import Record, ShardSink
 
@@ -34,12 +35,12 @@ class RunSummary:
     bytes: int = 0
     seconds: float = 0.0
 
-    def count(self, sample) -> None:
+    def count(self, sample, rows: int) -> None:
         completion = sample.input_ids.numel() - sample.prompt_len
         self.samples += 1
         self.tokens += sample.input_ids.numel()
         self.completion_tokens += completion
-        self.rows += sample.num_rows
+        self.rows += rows  # stored rows (--keep may store fewer than the engine produced)
         if sample.accept_lens is not None:
             self.verify_steps += sample.accept_lens.numel()
             self.accepted += int(sample.accept_lens.sum())
@@ -52,17 +53,56 @@ class RunSummary:
         return self.accepted / self.verify_steps if self.verify_steps else None
 
 
-def _prepare_output(out: Path, fingerprint: str, overwrite: bool) -> Manifest | None:
-    """The manifest to resume from, or None for a fresh run; refuses a different config."""
+def differences(old, new, prefix: str = "") -> list[str]:
+    """``field: old -> new`` for every leaf field that differs between two JSON-like dicts."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in sorted(set(old) | set(new), key=str):
+            out += differences(old.get(k), new.get(k), f"{prefix}{k}.")
+        return out
+    if old == new:
+        return []
+    return [f"{prefix[:-1]}: {_short(old)} -> {_short(new)}"]
+
+
+def _short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _saved_config(out: Path) -> dict | None:
+    try:
+        return json.loads((out / CONFIG).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _config_refusal(out: Path, m: Manifest, cfg: ExtractConfig) -> HsxError:
+    saved = _saved_config(out)
+    if saved is None:
+        what = f"config hash {m.config_hash}, this run {cfg.fingerprint()}; {out / CONFIG} is missing or unreadable"
+    else:
+        ignore = set(ExtractConfig._LAYOUT_ONLY)
+        new = {k: v for k, v in cfg.to_dict().items() if k not in ignore}
+        diff = differences({k: v for k, v in saved.items() if k not in ignore}, new)
+        what = "; ".join(diff) if diff else f"config hash {m.config_hash}, this run {cfg.fingerprint()}"
+    return HsxError(f"{out} holds a run with a different configuration ({what}). "
+                    "Use a new --output, or --overwrite to replace it.")
+
+
+def _prepare_output(out: Path, cfg: ExtractConfig, overwrite: bool) -> Manifest | None:
+    """The manifest to resume from, or None for a fresh run; refuses a different config.
+
+    An output whose manifest commits nothing yet (a run stopped before its first shard, e.g. by a
+    dataset it could not read) holds nothing to lose: a new run replaces it without ``--overwrite``.
+    """
     if (out / MANIFEST).exists():
         m = load_manifest(out)
-        if m.config_hash == fingerprint and not overwrite:
+        if m.config_hash == cfg.fingerprint() and not overwrite:
             return m
-        if not overwrite:
-            raise HsxError(
-                f"{out} holds a run with a different configuration (config hash {m.config_hash}, this run "
-                f"{fingerprint}); see {out / CONFIG}. Use a new --output, or --overwrite to replace it."
-            )
+        if not overwrite and m.shards:
+            raise _config_refusal(out, m, cfg)
+        overwrite = True
     elif out.exists() and any(out.iterdir()) and not overwrite:
         raise HsxError(f"{out} exists, is not empty and has no {MANIFEST}; refusing to write into it (use --overwrite)")
     if overwrite and out.exists():
@@ -122,6 +162,7 @@ def _run_metadata(cfg: ExtractConfig, engine, chat_template: str | None, dataset
         engine=engine.describe(),
         speculative=engine.describe_speculative(),
         dataset=dataset_meta,
+        keep=cfg.keep,
         sampling=sampling if cfg.mode == "generate" else None,
         config_hash=cfg.fingerprint(),
     )
@@ -154,13 +195,17 @@ def _pending_prompts(rows, renderer, done: set[str], sink: ShardSink, summary: R
         yield p
 
 
-def _record(prompt, sample, mode: str) -> Record:
+def _record(prompt, sample, mode: str, keep: str) -> Record:
     loss_mask = torch.tensor(prompt.loss_mask, dtype=torch.uint8)
     if mode == "generate":  # the renderer masks the prompt; every generated token is learned
         completion = sample.input_ids.numel() - sample.prompt_len
         loss_mask = torch.cat([loss_mask, torch.ones(completion, dtype=torch.uint8)])
+    hidden = sample.hidden
+    if keep != "all":  # rows of the other positions are dropped here, by the rule readers apply again
+        pos = torch.from_numpy(sample_positions(keep, mode, sample.input_ids.numel(), sample.prompt_len, loss_mask.numpy()))
+        hidden = {name: h[pos] for name, h in hidden.items()}
     return Record(prompt.sample_id, prompt.source_index, sample.input_ids, sample.prompt_len, loss_mask,
-                  sample.finish_reason, sample.hidden, sample.accept_lens, sample.verify_steps)
+                  sample.finish_reason, hidden, sample.accept_lens, sample.verify_steps)
 
 
 def extract(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool = True) -> RunSummary:
@@ -171,7 +216,7 @@ def extract(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool = Tru
 
     cfg.validate()
     out = Path(cfg.output)
-    resume = _prepare_output(out, cfg.fingerprint(), overwrite)
+    resume = _prepare_output(out, cfg, overwrite)
     t0 = time.perf_counter()
 
     rows_all = load_rows(cfg.dataset, cfg.split)
@@ -188,9 +233,11 @@ def extract(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool = Tru
 
     metadata = _run_metadata(cfg, engine, chat_template, dataset_meta)
     if resume is not None and resume.metadata != metadata:
-        differs = sorted(k for k in set(metadata) | set(resume.metadata) if metadata.get(k) != resume.metadata.get(k))
-        raise HsxError(f"{out}: the model, tokenizer, dataset or engine differ from the run being resumed "
-                       f"(metadata fields {differs}); use a new --output or --overwrite")
+        if resume.shards:
+            differs = "; ".join(differences(resume.metadata, metadata)[:8])
+            raise HsxError(f"{out}: the model, tokenizer, dataset or engine differ from the run being resumed "
+                           f"({differs}); use a new --output or --overwrite")
+        resume = None  # nothing committed yet: start afresh
     manifest = resume or Manifest(metadata=metadata, config_hash=cfg.fingerprint())
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out / CONFIG, json.dumps(cfg.to_dict(), indent=1).encode())
@@ -209,8 +256,9 @@ def extract(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool = Tru
                     sink.add_error(prompt.sample_id, prompt.source_index, sample.reason)
                     summary.errors += 1
                     continue
-                sink.add(_record(prompt, sample, cfg.mode))
-                summary.count(sample)
+                record = _record(prompt, sample, cfg.mode, cfg.keep)
+                sink.add(record)
+                summary.count(sample, record.num_rows)
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{summary.tokens / (time.perf_counter() - t0):,.0f}", errors=summary.errors, refresh=False)
     except KeyboardInterrupt:

@@ -7,14 +7,17 @@ def _mb(n: float) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
-def format_inspect(s: dict) -> str:
+ERRORS_SHOWN = 10  # error records format_inspect lists unless asked for all
+
+
+def format_inspect(s: dict, all_errors: bool = False) -> str:
     lines = [
         f"{s['path']}",
         f"  samples       {s['samples']:,} in {s['shards']} shard(s)"
         + (f", {s['errors']} error record(s)" if s["errors"] else "")
         + ("" if s["complete"] in (None, True) else "  [incomplete run: resume to finish]"),
         f"  tokens        {s['tokens']:,} ({s['prompt_tokens']:,} prompt + {s['completion_tokens']:,} completion)",
-        f"  rows/column   {s['rows_per_column']:,}   mode {s['mode']}",
+        f"  rows/column   {s['rows_per_column']:,}   mode {s['mode']}" + _keep_note(s),
         f"  size          {_mb(s['bytes'])}, {s['bytes_per_token']:,.0f} bytes/token",
         f"  dtype         {s['dtype']}",
         "  layers",
@@ -36,7 +39,28 @@ def format_inspect(s: dict) -> str:
     if acc:
         hist = ", ".join(f"{k}:{v}" for k, v in acc["histogram"].items())
         lines.append(f"  accept        mean {acc['mean_accept_len']:.2f} tokens/step over {acc['verify_steps']:,} verify steps  [{hist}]")
+    lines += _error_lines(s.get("error_records") or [], all_errors)
     return "\n".join(lines)
+
+
+def _keep_note(s: dict) -> str:
+    if s.get("keep", "all") == "all":
+        return ""
+    saved = s["bytes_saved"]
+    return (f"   keep {s['keep']} ({s['rows_per_column']:,} of {s['rows_covered']:,} rows; "
+            f"{_mb(saved)} of hidden states not stored)")
+
+
+def _error_lines(records: list[dict], all_errors: bool) -> list[str]:
+    if not records:
+        return []
+    shown = records if all_errors else records[:ERRORS_SHOWN]
+    lines = [f"  errors        {len(records)} sample(s) not extracted:"]
+    for e in shown:
+        lines.append(f"    {e['sample_id']}  (source row {e['source_index']}): {e['reason']}")
+    if len(shown) < len(records):
+        lines.append(f"    ... and {len(records) - len(shown)} more (hsx inspect --errors lists them all)")
+    return lines
 
 
 def format_verify(r) -> str:

@@ -236,7 +236,7 @@ def test_hidden_states_are_views_of_arrow_buffers(tmp_path, dtype):
     for name in ds.columns:
         samples = [ds[i] for i in range(len(ds))]
         chunks = ds.table([name]).column(name).chunks  # the loaded tables' own chunks
-        spans = [(c.values.buffers()[1].address, c.values.buffers()[1].size) for c in chunks]
+        spans = [(c.values.buffers()[-1].address, c.values.buffers()[-1].size) for c in chunks]  # the data buffer
         checked = 0
         for s in samples:
             h = s.hidden(name)
@@ -457,7 +457,7 @@ def _rewrite_metadata(src: Path, dst: Path, meta_bytes: bytes | None) -> None:
 MALFORMED = {
     "no-hsx-key": lambda m: None,
     "not-json": lambda m: b"{not json",
-    "future-version": lambda m: json.dumps({**m, "format_version": 2}).encode(),
+    "future-version": lambda m: json.dumps({**m, "format_version": 3}).encode(),
     "no-layers": lambda m: json.dumps({k: v for k, v in m.items() if k != "layers"}).encode(),
     "layers-not-a-list": lambda m: json.dumps({**m, "layers": 3}).encode(),
     "layer-without-width": lambda m: json.dumps({**m, "layers": [{"name": "l0"}]}).encode(),
@@ -657,17 +657,23 @@ def test_metadata_columns_are_readable_by_other_tools(tmp_path, monkeypatch):
     t = pa.concat_tables([pq.read_table(f) for f in files])
     assert t.column("sample_id").to_pylist() == ids
     assert t.column("input_ids").to_pylist() == [r.input_ids.tolist() for r in records]
-    assert t.column("l0").type == pa.list_(pa.binary(12))
+    assert t.column("l0").type == pa.list_(pa.large_binary())
 
     import pandas as pd
-    # pyarrow has no pandas conversion for list<fixed_size_binary>: read the metadata columns.
-    df = pd.concat([pd.read_parquet(f, columns=BASE_NAMES) for f in files], ignore_index=True)
+    # The whole shard, hidden columns included: one array of row bytes per sample.
+    df = pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)
+    assert list(df.columns) == BASE_NAMES + ["l0", "l1"]
     assert df["sample_id"].tolist() == ids and df["prompt_len"].tolist() == prompt
     assert [list(x) for x in df["loss_mask"]] == [r.loss_mask.tolist() for r in records]
+    for r, cell in zip(records, df["l0"]):
+        assert len(cell) == r.num_rows and all(isinstance(x, bytes) and len(x) == 12 for x in cell)
+        got = torch.frombuffer(bytearray(b"".join(cell)), dtype=torch.int16).view(-1, 6) if len(cell) else None
+        assert got is None or torch.equal(got, bits(r.hidden["l0"]))
 
     import duckdb
-    rows = duckdb.sql(f"select sample_id, prompt_len from '{d}/*.parquet' order by sample_id").fetchall()
-    assert rows == sorted(zip(ids, prompt))
+    rows = duckdb.sql(f"select sample_id, prompt_len, len(l0), octet_length(l0[1]) from '{d}/*.parquet' "
+                      "order by sample_id").fetchall()
+    assert rows == sorted((i, p, r.num_rows, 12 if r.num_rows else None) for i, p, r in zip(ids, prompt, records))
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     import datasets

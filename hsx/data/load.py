@@ -15,6 +15,10 @@ Every failure of the underlying library surfaces as :class:`~hsx.errors.HsxError
 
 from __future__ import annotations
 
+import codecs
+import contextlib
+import json
+import logging
 import os
 from pathlib import Path
 
@@ -55,7 +59,15 @@ def _open(source: str, data_files) -> datasets.DatasetDict | datasets.Dataset:
             builder = FILE_BUILDERS.get(path.suffix.lower())
             if builder is None:
                 raise HsxError(f"cannot read {source!r}: unknown file type; expected one of {sorted(FILE_BUILDERS)}")
-            return datasets.load_dataset(builder, data_files={"train": str(path)})
+            if builder in ("json", "csv"):
+                check_utf8(path)
+            try:
+                with _quiet_json_log():  # its message counts rows from 0; check_json names the line
+                    return datasets.load_dataset(builder, data_files={"train": str(path)})
+            except Exception:
+                if builder == "json":
+                    check_json(path)  # names the first bad line, if that is what went wrong
+                raise
         if path.is_dir():
             if _is_saved_to_disk(path):
                 return datasets.load_from_disk(str(path))
@@ -70,6 +82,65 @@ def _open(source: str, data_files) -> datasets.DatasetDict | datasets.Dataset:
         if isinstance(exc, ConnectionError) or "Hub" in str(exc):
             hint = " (hub datasets need network access; download it elsewhere and pass the local path)"
         raise HsxError(f"cannot read dataset {source!r}: {type(exc).__name__}: {exc}{hint}") from exc
+
+
+@contextlib.contextmanager
+def _quiet_json_log():
+    log = logging.getLogger("datasets.packaged_modules.json.json")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _position(path: Path, data: bytes, offset: int) -> str:
+    """``file:line, column`` (both 1-based) of byte ``offset`` of ``data``, the whole file's bytes."""
+    line = data.count(b"\n", 0, offset) + 1
+    column = offset - (data.rfind(b"\n", 0, offset) + 1) + 1
+    return f"{path}:{line}, column {column}"
+
+
+def check_utf8(path: Path, chunk: int = 16 << 20) -> None:
+    """Refuse a text file that is not UTF-8, naming the line (the json and csv readers assume UTF-8
+    and would fail later, mid-run, on the first row holding such bytes)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    done = 0
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(chunk)
+            pending = len(decoder.getstate()[0])  # bytes of a sequence cut by the previous block
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as e:
+                data = path.read_bytes()
+                at = done - pending + e.start
+                at = max(0, min(at, len(data) - 1))
+                raise HsxError(f"{_position(path, data, at)}: byte 0x{data[at]:02x} is not valid UTF-8; hsx reads "
+                               "UTF-8 text (re-encode the file, e.g. iconv -f latin1 -t utf-8)") from None
+            if not block:
+                return
+            done += len(block)
+
+
+def check_json(path: Path) -> None:
+    """Name the first line of a JSON-lines file (or the place in a JSON document) that does not parse."""
+    text = path.read_text(encoding="utf-8")
+    try:
+        json.loads(text)
+        return  # one JSON document: the file is valid JSON; the library failed for another reason
+    except ValueError:
+        pass
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            json.loads(line)
+        except ValueError as e:
+            reason = getattr(e, "msg", str(e))
+            raise HsxError(f"{path}:{lineno}, column {getattr(e, 'colno', '?')}: not valid JSON ({reason}); "
+                           "expected one JSON object per line") from None
 
 
 def _is_saved_to_disk(path: Path) -> bool:

@@ -243,5 +243,7 @@ def _turns(sample_id: str, shape: str, value: Any) -> list[dict[str, str]]:
             raise SampleError(sample_id, f"{where}: unknown {role_key} {role!r}; expected one of {list(accepted)}")
         if not isinstance(content, str):
             raise SampleError(sample_id, f"{where}: {content_key} must be a string, found {type(content).__name__}")
+        if accepted[role] == "user" and not content.strip():
+            raise SampleError(sample_id, f"{where}: the user turn is empty or whitespace (nothing to answer)")
         turns.append({"role": accepted[role], "content": content})
     return turns

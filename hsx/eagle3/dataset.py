@@ -111,6 +111,10 @@ def check_eagle3_layout(metadata: dict, draft_config: Mapping[str, Any] | None =
     h = int(final["width"])
     if int(aux["width"]) != 3 * h:
         raise HsxError(f"{where}: 'eagle3' width {aux['width']} is not 3 x the 'final' width {h}")
+    keep = metadata.get("keep", "all")
+    if keep != "all":
+        raise HsxError(f"{where}: EAGLE3 training needs a row for every position; these shards keep only "
+                       f"{keep!r} positions (extract with --keep all)")
     model = metadata.get("model") or {}
     num_layers = int(model.get("num_layers") or 0)
     layout = Eagle3Layout(metadata.get("mode", "?"), h, sources, num_layers, metadata.get("dtype", "?"))

@@ -1,10 +1,14 @@
-"""Shard format v1: the Arrow schema, the metadata blob, and the raw-bytes encoding of hidden rows.
+"""Shard format v2 (and v1 for reading): the Arrow schema, the metadata blob, the raw-bytes rows.
 
-One Parquet row per sample. Hidden-state columns are ``list<fixed_size_binary(W * itemsize)>``:
-one fixed-width binary per covered token position holding the row's W values in the stored
-dtype, little-endian, bit-exact (bfloat16 is kept as its 16-bit pattern; Arrow has no bfloat16).
-Parquet stores such a column as FIXED_LEN_BYTE_ARRAY pages with one repetition level per row,
-not per float, which is why it writes and reads at close to disk speed (docs/FORMAT.md).
+One Parquet row per sample. Hidden-state columns are ``list<large_binary>``: one binary value
+per stored row, exactly ``W * itemsize`` bytes holding the row's W values in the stored dtype,
+little-endian, bit-exact (bfloat16 is kept as its 16-bit pattern; Arrow has no bfloat16). A
+row's values sit back to back in the Arrow data buffer, so a block of rows is one zero-copy
+``[rows, W]`` view. Parquet stores the column as BYTE_ARRAY pages in DELTA_LENGTH_BYTE_ARRAY
+encoding (the equal lengths pack into a few bytes, the data stays contiguous) with one
+repetition level per row, not per float, which is why it writes and reads at close to disk
+speed, and why pandas reads it (as bytes) where it cannot read v1's
+``list<fixed_size_binary>`` (docs/FORMAT.md).
 """
 
 from __future__ import annotations
@@ -17,9 +21,12 @@ import pyarrow as pa
 import torch
 import xxhash
 
-from hsx.errors import ShardError
+from hsx.errors import HsxError, ShardError
+from hsx.shards import positions
+from hsx.shards.readonly import read_only
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 METADATA_KEY = b"hsx"
 # xxh3-64 of the metadata bytes: Parquet footers carry no checksum, so the metadata checks itself.
 METADATA_CHECKSUM_KEY = b"hsx.xxh3_64"
@@ -59,26 +66,32 @@ def dtype_of(name: str) -> torch.dtype:
         raise ShardError(f"unknown hidden-state dtype {name!r}; expected one of {sorted(DTYPES)}") from None
 
 
-def hidden_type(width: int, dtype_name: str) -> pa.DataType:
-    return pa.list_(pa.binary(width * itemsize(dtype_name)))
+def hidden_type(width: int, dtype_name: str, version: int = FORMAT_VERSION) -> pa.DataType:
+    if version == 1:
+        return pa.list_(pa.binary(width * itemsize(dtype_name)))
+    return pa.list_(pa.large_binary())
+
+
+def keep_of(metadata: Mapping) -> str:
+    """Which positions the shard stores rows for (version 1 shards store every covered position)."""
+    return metadata.get("keep", "all")
 
 
 def schema_for(metadata: Mapping) -> pa.Schema:
-    """The full schema of a shard described by ``metadata`` (its layer groups and dtype)."""
+    """The full schema of a shard described by ``metadata`` (its version, layer groups and dtype)."""
     fields = list(BASE_FIELDS)
+    version = metadata.get("format_version", FORMAT_VERSION)
     for g in metadata["layers"]:
-        fields.append(pa.field(g["name"], hidden_type(g["width"], metadata["dtype"]), nullable=False))
+        fields.append(pa.field(g["name"], hidden_type(g["width"], metadata["dtype"], version), nullable=False))
     blob = json.dumps(metadata, sort_keys=True).encode()
     return pa.schema(fields, metadata={METADATA_KEY: blob, METADATA_CHECKSUM_KEY: xxhash.xxh3_64_hexdigest(blob).encode()})
 
 
 def expected_rows(num_tokens: np.ndarray, mode: str) -> np.ndarray:
-    """Rows a sample of ``num_tokens`` tokens must have under the alignment convention."""
-    if mode == "generate":
-        return np.maximum(num_tokens - 1, 0)
-    if mode == "prefill":
-        return num_tokens
-    raise ShardError(f"unknown mode {mode!r} in shard metadata; expected one of {sorted(COVERS)}")
+    """Rows the engine covers for a sample of ``num_tokens`` tokens (before ``keep`` selects)."""
+    if mode not in COVERS:
+        raise ShardError(f"unknown mode {mode!r} in shard metadata; expected one of {sorted(COVERS)}")
+    return positions.covered_rows(num_tokens, mode)
 
 
 def read_metadata(schema: pa.Schema, where: str) -> dict:
@@ -93,34 +106,38 @@ def read_metadata(schema: pa.Schema, where: str) -> dict:
     except ValueError as e:
         raise ShardError(f"{where}: hsx metadata is not valid JSON ({e})") from None
     version = meta.get("format_version") if isinstance(meta, dict) else None
-    if version != FORMAT_VERSION:
-        raise ShardError(f"{where}: shard format version {version!r}; this hsx reads version {FORMAT_VERSION}")
+    if version not in READABLE_VERSIONS:
+        raise ShardError(f"{where}: shard format version {version!r}; this hsx reads versions "
+                         f"{', '.join(map(str, READABLE_VERSIONS))}")
     try:
         # Readers index these fields without further checks: a shard whose metadata lacks them
         # (or holds values of the wrong kind) is rejected here, with the file named.
         schema_for(meta)
+        dtype_of(meta["dtype"])
         expected_rows(np.zeros(0, dtype=np.int64), meta["mode"])
-    except (KeyError, TypeError, ValueError, pa.ArrowException, ShardError) as e:
+        positions.check_rule(keep_of(meta), meta["mode"], "keep")
+    except (KeyError, TypeError, ValueError, pa.ArrowException, HsxError) as e:
         raise ShardError(f"{where}: malformed hsx metadata ({type(e).__name__}: {e})") from None
     return meta
 
 
 def encode_rows(parts: list[torch.Tensor], width: int, dtype: torch.dtype) -> pa.ChunkedArray:
-    """``[rows_i, W]`` tensors (one per sample) -> a ``list<fixed_size_binary>`` column, one chunk per sample.
+    """``[rows_i, W]`` tensors (one per sample) -> a ``list<large_binary>`` column, one chunk per sample.
 
     Each chunk wraps its tensor's bytes as they are (no copy, no conversion: the bit pattern); the
     Parquet writer streams the chunks into one row group. Concatenating first would cost a full
     extra pass over fresh memory, which on this kind of machine halved the write speed.
     """
     nbytes = width * torch.empty((), dtype=dtype).element_size()
-    kind = pa.list_(pa.binary(nbytes))
+    kind = pa.list_(pa.large_binary())
     chunks = []
     for p in parts:
         if p.dtype != dtype or p.dim() != 2 or p.shape[1] != width:
             raise ShardError(f"hidden rows of shape {tuple(p.shape)} {p.dtype}; column expects [rows, {width}] {dtype}")
         rows = p.shape[0]
         raw = p.contiguous().view(torch.uint8).numpy().reshape(-1) if rows else np.zeros(0, np.uint8)
-        values = pa.FixedSizeBinaryArray.from_buffers(pa.binary(nbytes), rows, [None, pa.py_buffer(raw)])
+        offsets = np.arange(rows + 1, dtype=np.int64) * nbytes
+        values = pa.Array.from_buffers(pa.large_binary(), rows, [None, pa.py_buffer(offsets), pa.py_buffer(raw)])
         chunks.append(pa.ListArray.from_arrays(pa.array(np.array([0, rows], dtype=np.int32)), values))
     return pa.chunked_array(chunks, type=kind)
 
@@ -131,39 +148,74 @@ def rows_view(column: pa.ListArray, index: int, width: int, dtype: torch.dtype) 
     return block_view(column.values, start, stop, width, dtype)
 
 
-def block_view(values: pa.FixedSizeBinaryArray, start: int, stop: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``[start, stop)`` of a fixed-size-binary array as a zero-copy ``[rows, W]`` tensor."""
-    item = torch.empty((), dtype=dtype).element_size()
-    if values.type.byte_width != width * item:
-        raise ShardError(f"column stores {values.type.byte_width}-byte rows; metadata says {width} x {dtype}")
+def block_view(values: pa.Array, start: int, stop: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``[start, stop)`` of a column's values as a zero-copy, read-only ``[rows, W]`` tensor.
+
+    ``values`` is ``large_binary`` (version 2: every value must be one row long) or
+    ``fixed_size_binary`` (version 1).
+    """
+    row_bytes = width * torch.empty((), dtype=dtype).element_size()
     rows = stop - start
+    if pa.types.is_fixed_size_binary(values.type):
+        if values.type.byte_width != row_bytes:
+            raise ShardError(f"column stores {values.type.byte_width}-byte rows; metadata says {width} x {dtype}")
+        buf, offset = values.buffers()[1], (values.offset + start) * row_bytes
+    else:
+        # Every value's length was checked when the shard was loaded (check_row_bytes): the span
+        # of the block is enough here.
+        offs = _value_offsets(values)[start:stop + 1]
+        if rows and int(offs[-1] - offs[0]) != rows * row_bytes:
+            raise ShardError(f"rows {start}..{stop - 1} span {int(offs[-1] - offs[0])} bytes; metadata says "
+                             f"{rows} x {width} x {dtype} = {rows * row_bytes}")
+        buf, offset = values.buffers()[2], int(offs[0]) if rows else 0
     if rows == 0:
-        return torch.empty((0, width), dtype=dtype)
-    buf = values.buffers()[1]
-    offset = (values.offset + start) * values.type.byte_width
+        return read_only(torch.empty((0, width), dtype=dtype))
     t = _frombuffer(buf, dtype, rows * width, offset)
-    return t.view(rows, width)
+    return read_only(t.view(rows, width))
+
+
+def _value_offsets(values: pa.Array) -> np.ndarray:
+    """The int64 value offsets of a ``large_binary`` array (zero-copy)."""
+    return np.frombuffer(values.buffers()[1], dtype=np.int64, count=len(values) + 1, offset=values.offset * 8)
+
+
+def check_row_bytes(table: pa.Table, meta: Mapping, where: str) -> None:
+    """Every stored row of every hidden column is ``width * itemsize`` bytes long (version 2).
+
+    Version 1 types carry the width (``fixed_size_binary``) and were checked with the schema.
+    """
+    if meta.get("format_version") == 1:
+        return
+    for g in meta["layers"]:
+        row_bytes = g["width"] * itemsize(meta["dtype"])
+        for chunk in table.column(g["name"]).chunks:
+            lengths = np.diff(_value_offsets(chunk.values)[chunk.offsets[0].as_py():chunk.offsets[-1].as_py() + 1]) if len(chunk) else ()
+            bad = np.flatnonzero(np.asarray(lengths) != row_bytes)
+            if len(bad):
+                raise ShardError(f"{where}: column {g['name']!r} has a {int(lengths[bad[0]])}-byte row; metadata "
+                                 f"says width {g['width']} x {meta['dtype']} = {row_bytes} bytes per row")
 
 
 def _frombuffer(buf: pa.Buffer, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
     import warnings
 
     with warnings.catch_warnings():
-        # Arrow buffers are immutable; torch warns that the tensor is not writable. The views are
-        # documented as read-only (clone to modify).
+        # torch warns that the Arrow buffer is not writable; block_view wraps the view in a
+        # ReadOnlyTensor, which refuses in-place writes.
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset)
 
 
 def build_metadata(*, layers: list[dict], dtype: str, mode: str, model: dict | None = None,
                    tokenizer: dict | None = None, engine: dict | None = None, speculative: dict | None = None,
-                   dataset: dict | None = None, **extra) -> dict:
+                   dataset: dict | None = None, keep: str = "all", **extra) -> dict:
     """The metadata blob every shard and the manifest carry (docs/FORMAT.md lists the fields)."""
     from hsx import __version__
 
     dtype_of(dtype)
     if mode not in COVERS:
         raise ShardError(f"unknown mode {mode!r}; expected one of {sorted(COVERS)}")
+    positions.check_rule(keep, mode)
     return {
         "format_version": FORMAT_VERSION,
         "hsx_version": __version__,
@@ -176,6 +228,7 @@ def build_metadata(*, layers: list[dict], dtype: str, mode: str, model: dict | N
             "row": "row j is the state after consuming token j (it predicts token j+1)",
             "covers": COVERS[mode],
         },
+        "keep": keep,
         "model": model or {},
         "tokenizer": tokenizer or {},
         "engine": engine or {},

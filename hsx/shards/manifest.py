@@ -120,5 +120,15 @@ def file_checksum(path: str | Path) -> str:
             return bytes_checksum(m)
 
 
+def streamed_checksum(path: str | Path, chunk: int = 8 << 20) -> str:
+    """The same xxh3-128 as :func:`file_checksum`, read in chunks: a reader that streams a file
+    does not get the whole file mapped into its resident memory."""
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
 def bytes_checksum(data) -> str:
     return xxhash.xxh3_128(data).hexdigest()

@@ -22,6 +22,8 @@ import torch
 from hsx.errors import ShardError
 from hsx.shards import format as fmt
 from hsx.shards.manifest import MANIFEST, ErrorRecord, ShardEntry, bytes_checksum, load_manifest
+from hsx.shards import positions
+from hsx.shards.readonly import read_only
 
 
 def _np_to_torch(a: np.ndarray) -> torch.Tensor:
@@ -97,6 +99,7 @@ def load_shard(path: Path, entry: ShardEntry | None) -> _Shard:
         raise ShardError(f"{path}: unreadable Parquet ({e})") from None
     meta = fmt.read_metadata(table.schema, str(path))
     check_schema(table.schema, meta, str(path))
+    fmt.check_row_bytes(table, meta, str(path))
     if entry is not None:
         if table.num_rows != entry.samples:
             raise ShardError(f"{path}: {table.num_rows} samples, manifest says {entry.samples}")
@@ -142,14 +145,58 @@ class Sample:
 
     @property
     def positions(self) -> torch.Tensor:
-        """Token positions covered by the rows, in row order."""
-        return torch.arange(self.num_rows)
+        """Token position of each row, in row order (every covered position unless the run used ``--keep``)."""
+        meta = self._shard.metadata
+        pos = positions.sample_positions(fmt.keep_of(meta), meta["mode"], len(self.input_ids), self.prompt_len,
+                                         self.loss_mask.numpy())
+        return torch.from_numpy(pos)
 
     def hidden(self, name: str) -> torch.Tensor:
         return self._shard.hidden(name, self._row)
 
     def __repr__(self) -> str:
         return f"Sample({self.sample_id!r}, tokens={len(self.input_ids)}, rows={self.num_rows})"
+
+
+@dataclass
+class RowLabels:
+    """What each row of a block of samples is: ``owner`` (sample within the block), position, tokens."""
+
+    owner: np.ndarray  # [R] int64
+    position: np.ndarray  # [R] int64
+    token_id: np.ndarray  # [R] int64, the row's input token
+    next_token: np.ndarray  # [R] int64, the token the row predicts; -1 after the last token
+    chosen: np.ndarray  # [R] bool, the rows the ``where`` rule selects (all of them for "all")
+
+
+def row_labels(meta: dict, input_ids: pa.ListArray, prompt_len: pa.Array, loss_mask: pa.ListArray,
+               rows: np.ndarray, where: str, rule: str = "all") -> RowLabels:
+    """Labels of the stored rows of a block of samples (one Arrow chunk per column), in ``where``.
+
+    ``rows`` [S] are the block's stored row counts; they must match what the shard's ``keep`` rule
+    gives for these tokens, else the rows would be labelled with the wrong positions. ``rule``
+    (a :mod:`hsx.shards.positions` rule) marks the rows a reader wants in ``chosen``.
+    """
+    ids_off = input_ids.offsets.to_numpy().astype(np.int64)
+    ids = input_ids.values.to_numpy().astype(np.int64)[ids_off[0]:]
+    ids_off = ids_off - ids_off[0]
+    n_tok = np.diff(ids_off)
+    mask_off = loss_mask.offsets.to_numpy()
+    if not np.array_equal(np.diff(mask_off), n_tok):
+        raise ShardError(f"{where}: loss_mask lengths differ from the token counts of their samples")
+    mask = loss_mask.values.to_numpy()[mask_off[0]:mask_off[-1]]
+    prompt = prompt_len.to_numpy().astype(np.int64)
+    owner, pos = positions.kept(fmt.keep_of(meta), meta["mode"], n_tok, prompt, mask, ids_off)
+    want = np.bincount(owner, minlength=len(n_tok))
+    if not np.array_equal(want, rows):
+        j = int(np.flatnonzero(want != rows)[0])
+        raise ShardError(f"{where}: sample {j} of a row group has {int(rows[j])} rows; keep={fmt.keep_of(meta)!r} "
+                         f"in {meta['mode']} mode gives {int(want[j])} for its {int(n_tok[j])} tokens")
+    at = ids_off[owner] + pos
+    has_next = pos + 1 < n_tok[owner]
+    nxt = np.where(has_next, ids[np.minimum(at + 1, max(len(ids) - 1, 0))] if len(ids) else 0, -1)
+    chosen = positions.select(rule, meta["mode"], owner, pos, n_tok, prompt, mask, ids_off)
+    return RowLabels(owner, pos, ids[at], nxt, chosen)
 
 
 @dataclass
@@ -251,18 +298,15 @@ class ShardDataset:
         global_of[self._index] = np.arange(len(self._index))
         for k in shards:
             s = self._shard(k)
-            for chunk_h, chunk_ids, base in zip(s.cols[name].chunks, s.cols["input_ids"].chunks, s.cols[name].starts):
+            chunks = zip(s.cols[name].chunks, s.cols["input_ids"].chunks, s.cols["prompt_len"].chunks,
+                         s.cols["loss_mask"].chunks, s.cols[name].starts)
+            for chunk_h, chunk_ids, chunk_prompt, chunk_mask, base in chunks:
                 offs = chunk_h.offsets.to_numpy()
-                lens = np.diff(offs)
                 hidden.append(fmt.block_view(chunk_h.values, int(offs[0]), int(offs[-1]), width, dtype))
-                rows_owner = np.repeat(np.arange(len(lens)) + int(self._starts[k] + base), lens)
-                owner.append(global_of[rows_owner])
-                first = np.repeat(offs[:-1], lens)
-                p = np.arange(int(offs[0]), int(offs[-1])) - first
-                pos.append(p)
-                ids_off = chunk_ids.offsets.to_numpy()
-                ids = chunk_ids.values.to_numpy()
-                tok.append(ids[np.repeat(ids_off[:-1], lens) + p])
+                labels = row_labels(self.metadata, chunk_ids, chunk_prompt, chunk_mask, np.diff(offs), str(s.path))
+                owner.append(global_of[labels.owner + int(self._starts[k] + base)])
+                pos.append(labels.position)
+                tok.append(labels.token_id)
         keep = np.concatenate(owner) >= 0 if owner else np.zeros(0, bool)
         if len(hidden) == 1:
             h = hidden[0]  # one row group: a zero-copy view
@@ -275,7 +319,8 @@ class ShardDataset:
         if not keep.all():
             m = torch.from_numpy(keep)
             h, sample_index, position, token_id = h[m], sample_index[m], position[m], token_id[m]
-        return TokenMatrix(h, sample_index, position, token_id)
+        # the same contract whether h is a view or a copy: read-only, clone to modify
+        return TokenMatrix(read_only(h), sample_index, position, token_id)
 
     def __repr__(self) -> str:
         return f"ShardDataset({len(self)} samples, {len(self._paths)} shards, columns={self.columns})"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 
 from hsx.errors import ShardError
 from hsx.shards import format as fmt
+from hsx.shards import positions
 from hsx.shards.manifest import CONFIG, MANIFEST, Manifest, ShardEntry, load_manifest
 from hsx.shards.reader import load_shard
 
@@ -47,16 +49,20 @@ def check_table(table: pa.Table, meta: dict) -> list[str]:
     faults = []
     ids = table.column("sample_id").to_pylist()
     n_tok = _lengths(table.column("input_ids"))
-    want = fmt.expected_rows(n_tok, meta["mode"])
+    mask_len = _lengths(table.column("loss_mask"))
+    keep = fmt.keep_of(meta)
+    if np.array_equal(mask_len, n_tok):
+        want = stored_rows(table, meta)
+        rule = f"{meta['mode']} mode covers positions {fmt.COVERS[meta['mode']]}" + ("" if keep == "all" else f", keep={keep!r} stores")
+    else:  # the keep rule needs a loss mask per token; the mask fault is reported below
+        want, rule = fmt.expected_rows(n_tok, meta["mode"]), f"{meta['mode']} mode covers positions {fmt.COVERS[meta['mode']]}"
     for g in meta["layers"]:
         got = _lengths(table.column(g["name"]))
         bad = np.flatnonzero(got != want)
         for j in bad[:5]:
-            faults.append(f"sample {ids[j]!r}: {got[j]} rows of {g['name']!r} for {n_tok[j]} tokens; "
-                          f"{meta['mode']} mode covers positions {fmt.COVERS[meta['mode']]} ({want[j]} rows)")
+            faults.append(f"sample {ids[j]!r}: {got[j]} rows of {g['name']!r} for {n_tok[j]} tokens; {rule} ({want[j]} rows)")
         if len(bad) > 5:
             faults.append(f"... and {len(bad) - 5} more samples with wrong row counts in {g['name']!r}")
-    mask_len = _lengths(table.column("loss_mask"))
     for j in np.flatnonzero(mask_len != n_tok)[:5]:
         faults.append(f"sample {ids[j]!r}: loss_mask has {mask_len[j]} entries for {n_tok[j]} tokens")
     prompt = table.column("prompt_len").to_numpy()
@@ -65,6 +71,17 @@ def check_table(table: pa.Table, meta: dict) -> list[str]:
     faults += _check_accept(table, ids, n_tok - prompt)
     faults += _check_finite(table, meta, ids)
     return faults
+
+
+def stored_rows(table: pa.Table, meta: dict) -> np.ndarray:
+    """[samples] rows each sample must have: the covered positions the shard's ``keep`` rule selects."""
+    n_tok = _lengths(table.column("input_ids"))
+    if fmt.keep_of(meta) == "all":
+        return fmt.expected_rows(n_tok, meta["mode"])
+    mask = pc.list_flatten(table.column("loss_mask")).to_numpy(zero_copy_only=False)
+    offsets = np.concatenate([[0], np.cumsum(n_tok)])
+    return positions.stored_rows(fmt.keep_of(meta), meta["mode"], n_tok,
+                                 table.column("prompt_len").to_numpy().astype(np.int64), mask, offsets)
 
 
 def _check_accept(table: pa.Table, ids: list[str], completion: np.ndarray) -> list[str]:
@@ -145,22 +162,42 @@ def _verify_one(path: Path, entry: ShardEntry | None, m: Manifest | None) -> Sha
     return r
 
 
+def _read_schema(path: Path) -> pa.Schema:
+    try:
+        return pq.read_schema(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ShardError(f"{path}: not a readable Parquet file ({e})") from None
+
+
+def _read_columns(path: Path, cols: list[str]) -> pa.Table:
+    try:
+        return pq.read_table(path, columns=cols)
+    except FileNotFoundError:
+        raise ShardError(f"{path}: shard listed in the manifest is missing") from None
+    except (pa.ArrowException, OSError) as e:
+        raise ShardError(f"{path}: unreadable Parquet ({e})") from None
+
+
 def inspect(path: str | Path) -> dict:
     """Summary of an output directory or file, reading only the small metadata columns."""
     path = Path(path)
     if path.is_dir():
         m = load_manifest(path)
         files = [path / s.file for s in m.shards]
-        meta, errors, complete = m.metadata, len(m.errors), m.complete
-    else:
+        meta, errors, complete = m.metadata, m.errors, m.complete
+    elif path.exists():
         files = [path]
-        meta, errors, complete = fmt.read_metadata(pq.read_schema(path), str(path)), 0, None
-    cols = ["input_ids", "prompt_len", "accept_lens", "finish_reason"]
-    tables = [pq.read_table(f, columns=cols) for f in files]
+        meta, errors, complete = fmt.read_metadata(_read_schema(path), str(path)), [], None
+    else:
+        raise ShardError(f"{path}: no such file or directory")
+    cols = ["input_ids", "prompt_len", "loss_mask", "accept_lens", "finish_reason"]
+    tables = [_read_columns(f, cols) for f in files]
     t = pa.concat_tables(tables) if tables else fmt.schema_for(meta).empty_table().select(cols)
     n_tok = _lengths(t.column("input_ids")) if t.num_rows else np.zeros(0, np.int64)
     prompt = t.column("prompt_len").to_numpy() if t.num_rows else np.zeros(0, np.int64)
-    rows = int(fmt.expected_rows(n_tok, meta["mode"]).sum())
+    covered = int(fmt.expected_rows(n_tok, meta["mode"]).sum())
+    rows = int(stored_rows(t, meta).sum()) if t.num_rows else 0
+    row_bytes = sum(g["width"] * fmt.itemsize(meta["dtype"]) for g in meta["layers"])
     size = sum(f.stat().st_size for f in files)
     accept = pc.list_flatten(t.column("accept_lens")).to_numpy(zero_copy_only=False) if t.num_rows else np.zeros(0)
     summary = {
@@ -168,11 +205,15 @@ def inspect(path: str | Path) -> dict:
         "complete": complete,
         "shards": len(files),
         "samples": t.num_rows,
-        "errors": errors,
+        "errors": len(errors),
         "tokens": int(n_tok.sum()),
         "prompt_tokens": int(prompt.sum()),
         "completion_tokens": int((n_tok - prompt).sum()),
         "rows_per_column": rows,
+        "keep": fmt.keep_of(meta),
+        "rows_covered": covered,  # rows with --keep all
+        "bytes_saved": (covered - rows) * row_bytes,  # hidden-state bytes --keep did not store
+        "error_records": [dataclasses.asdict(e) for e in errors],
         "bytes": size,
         "bytes_per_token": size / max(1, int(n_tok.sum())),
         "dtype": meta["dtype"],

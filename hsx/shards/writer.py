@@ -102,16 +102,15 @@ class ShardWriter:
         encoding = {}
         for name in hidden:
             codec[_leaf(self.schema.field(name))] = "zstd" if self.compression == "zstd" else "none"
-            if self.compression == "zstd":
-                # Byte-stream split puts byte j of every row together: exponent bytes of one
-                # feature across tokens sit side by side, which is what zstd can squeeze.
-                encoding[_leaf(self.schema.field(name))] = "BYTE_STREAM_SPLIT"
+            # The row lengths (all equal) are delta-packed ahead of the data, which stays one
+            # contiguous run of row bytes: no 4-byte length before every row as PLAIN would write.
+            encoding[_leaf(self.schema.field(name))] = "DELTA_LENGTH_BYTE_ARRAY"
         return pq.ParquetWriter(
             self.path,
             self.schema,
             compression=codec,
             use_dictionary=["finish_reason"],
-            column_encoding=encoding or None,
+            column_encoding=encoding,
             write_statistics=["source_index", "prompt_len", "verify_steps"],
             write_page_checksum=True,
             data_page_size=1 << 20,

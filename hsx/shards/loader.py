@@ -1,0 +1,287 @@
+"""A streaming loader of token rows for probes and SAEs: ``hsx.tokens_loader(path, ...)``.
+
+A torch ``IterableDataset`` that yields batches of hidden rows (one or several columns) with their
+labels, reading one row group at a time, so memory stays bounded by the shuffle buffer and one row
+group whatever the size of the dataset (``ds.tokens()`` concatenates everything instead).
+
+- Work units are (shard, row group) blocks, visited in a seeded order that changes with
+  :meth:`TokenLoader.set_epoch`; unit u goes to consumer ``u % (world_size * num_workers)``, so
+  every DataLoader worker of every rank reads different rows and each row comes out once per
+  epoch. With fewer blocks than consumers, each block is cut into equal slices of its rows.
+- A seeded shuffle buffer (``shuffle_buffer`` rows) mixes rows across blocks and sequences: once
+  it is full, each incoming batch of rows replaces as many randomly chosen buffered rows, which
+  are emitted. ``shuffle_buffer=0`` keeps storage order.
+- ``where`` picks rows by the position rules of :mod:`hsx.shards.positions` (all, completion,
+  loss, last) among the rows the shards store.
+
+Batches are dicts: each column ``[B, W]`` in the stored dtype, ``token_id`` (the row's input
+token), ``next_token`` (the token it predicts, -1 after the last), ``position`` and
+``sample_index`` (index into ``hsx.open(path)``; ``loader.sample_ids[i]`` is its id), all int64.
+Use it with ``DataLoader(loader, batch_size=None, num_workers=...)``: it batches itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from hsx.errors import HsxError, ShardError
+from hsx.shards import format as fmt
+from hsx.shards import positions
+from hsx.shards.manifest import ShardEntry, streamed_checksum
+from hsx.shards.reader import check_schema, open_shards, row_labels
+
+LABELS = ("token_id", "next_token", "position", "sample_index")
+SAMPLES_PER_READ = 16  # samples decoded at a time: memory is this many samples, not a whole row group
+_BASE = ["input_ids", "prompt_len", "loss_mask"]
+
+
+@dataclass(frozen=True)
+class _Block:
+    shard: int
+    row_group: int
+    first_sample: int  # global index of its first sample
+    part: int  # which slice of the block's rows (of ``parts``)
+    parts: int
+
+
+class TokenLoader(IterableDataset):
+    """Every selected token row of ``columns`` across all shards, in shuffled batches (module docstring)."""
+
+    def __init__(self, path: str | Path, columns: Sequence[str] | None = None, where: str = "all",
+                 batch_size: int = 1024, shuffle_buffer: int = 1 << 16, seed: int = 0, drop_last: bool = False,
+                 rank: int | None = None, world_size: int | None = None):
+        ds = open_shards(path)
+        self.metadata = ds.metadata
+        self.columns = list(columns) if columns is not None else ds.columns
+        unknown = [c for c in self.columns if c not in ds.columns]
+        if not self.columns:
+            raise HsxError(f"{path}: no hidden-state column to load; columns: {ds.columns}")
+        if unknown:
+            raise HsxError(f"{path}: no hidden-state column(s) {unknown}; columns: {ds.columns}")
+        self.where = positions.check_rule(where, ds.metadata["mode"], "where")
+        if batch_size < 1 or shuffle_buffer < 0:
+            raise HsxError(f"batch_size must be >= 1 and shuffle_buffer >= 0; got {batch_size}, {shuffle_buffer}")
+        self.batch_size, self.shuffle_buffer, self.seed, self.drop_last = batch_size, shuffle_buffer, seed, drop_last
+        self.rank, self.world_size = _rank_and_world(rank, world_size)
+        self.epoch = 0
+        self.sample_ids = ds.sample_ids
+        self._paths, self._entries = list(ds._paths), list(ds._entries)
+        self._layers = [g for g in ds.metadata["layers"] if g["name"] in self.columns]
+        self._groups = [_row_groups(p) for p in self._paths]  # samples per row group, per shard
+        self._starts = [int(x) for x in ds._starts]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reshuffle for ``epoch`` (call before each epoch, as with DistributedSampler)."""
+        self.epoch = int(epoch)
+
+    # -- which blocks this consumer reads
+
+    def _blocks(self, consumer: int, consumers: int) -> list[_Block]:
+        whole = []
+        for k, groups in enumerate(self._groups):
+            first = self._starts[k]
+            for g, n in enumerate(groups):
+                whole.append((k, g, first))
+                first += n
+        parts = max(1, -(-consumers // max(1, len(whole))))  # slices per block when blocks are few
+        units = [_Block(k, g, first, p, parts) for k, g, first in whole for p in range(parts)]
+        if self.shuffle_buffer:
+            order = np.random.default_rng([self.seed, self.epoch]).permutation(len(units))
+            units = [units[i] for i in order]
+        return units[consumer::consumers]
+
+    # -- reading one block
+
+    def _read(self, block: _Block, checked: set[int]) -> Iterator[dict[str, np.ndarray]]:
+        """The block's chosen rows, a few samples at a time (a row group can be far larger than that)."""
+        path, entry = self._paths[block.shard], self._entries[block.shard]
+        if block.shard not in checked:
+            _check_file(path, entry)
+            checked.add(block.shard)
+        # no pre-buffering: a row group's column chunks are read page by page, not held whole
+        f = pq.ParquetFile(path, page_checksum_verification=entry is None, pre_buffer=False, buffer_size=1 << 20)
+        meta = fmt.read_metadata(f.schema_arrow, str(path))
+        check_schema(f.schema_arrow, meta, str(path))
+        first = block.first_sample
+        for batch in f.iter_batches(batch_size=SAMPLES_PER_READ, row_groups=[block.row_group],
+                                    columns=_BASE + self.columns, use_threads=False):
+            table = pa.Table.from_batches([batch])
+            yield self._rows(table, meta, str(path), first, block)
+            first += table.num_rows
+
+    def _rows(self, table: pa.Table, meta: dict, where: str, first: int, block: _Block) -> dict[str, np.ndarray]:
+        fmt.check_row_bytes(table, {**meta, "layers": self._layers}, where)
+        ids, prompt, mask = (table.column(c).combine_chunks() for c in _BASE)
+        hidden = {g["name"]: _raw_rows(table.column(g["name"]), g, meta["dtype"]) for g in self._layers}
+        labels = row_labels(meta, ids, prompt, mask, _lengths(table.column(self._layers[0]["name"])), where, self.where)
+        sample = labels.owner + first
+        # a block shared by several consumers: each takes every parts-th sample
+        chosen = np.flatnonzero(labels.chosen & (sample % block.parts == block.part))
+        out = {name: rows[chosen] for name, rows in hidden.items()}
+        out["token_id"] = labels.token_id[chosen]
+        out["next_token"] = labels.next_token[chosen]
+        out["position"] = labels.position[chosen]
+        out["sample_index"] = sample[chosen]
+        return out
+
+    # -- iteration
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        consumer, consumers = self.rank * workers + worker, self.world_size * workers
+        rng = np.random.default_rng([self.seed, self.epoch, consumer, 1])
+        buffer = _ShuffleBuffer(self.shuffle_buffer, rng)
+        batches = _Batcher(self.batch_size)
+        checked: set[int] = set()
+        for block in self._blocks(consumer, consumers):
+            for rows in self._read(block, checked):
+                if self.shuffle_buffer:
+                    order = rng.permutation(len(rows["position"]))
+                    rows = {k: v[order] for k, v in rows.items()}
+                for out in buffer.push(rows):
+                    yield from (self._tensors(b) for b in batches.add(out))
+        for out in buffer.drain():
+            yield from (self._tensors(b) for b in batches.add(out))
+        last = batches.flush()
+        if last is not None and not self.drop_last:
+            yield self._tensors(last)
+
+    def _tensors(self, batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        out = {}
+        for g in self._layers:
+            raw = torch.from_numpy(batch[g["name"]])  # [B, row_bytes] uint8, a fresh copy
+            out[g["name"]] = raw.view(fmt.dtype_of(self.metadata["dtype"])).view(-1, g["width"])
+        for k in LABELS:
+            out[k] = torch.from_numpy(batch[k])
+        return out
+
+
+class _ShuffleBuffer:
+    """Seeded row shuffle over ``capacity`` rows; rows pass straight through when capacity is 0."""
+
+    def __init__(self, capacity: int, rng: np.random.Generator):
+        self.capacity, self.rng = capacity, rng
+        self.store: dict[str, np.ndarray] | None = None
+        self.size = 0
+
+    def push(self, rows: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
+        n = len(rows["position"])
+        if self.capacity == 0:
+            if n:
+                yield rows
+            return
+        if self.store is None:
+            self.store = {k: np.empty((self.capacity, *v.shape[1:]), dtype=v.dtype) for k, v in rows.items()}
+        take = min(self.capacity - self.size, n)
+        for k, v in rows.items():
+            self.store[k][self.size:self.size + take] = v[:take]
+        self.size += take
+        step = max(1, self.capacity // 64)  # distinct slots are cheap to draw in small steps
+        for i in range(take, n, step):
+            j = min(n, i + step)
+            slots = self.rng.choice(self.capacity, j - i, replace=False)
+            out = {k: s[slots] for k, s in self.store.items()}  # copies: the slots are refilled next
+            for k, v in rows.items():
+                self.store[k][slots] = v[i:j]
+            yield out
+
+    def drain(self) -> Iterator[dict[str, np.ndarray]]:
+        if self.store is None or self.size == 0:
+            return
+        order = self.rng.permutation(self.size)
+        yield {k: s[:self.size][order] for k, s in self.store.items()}
+        self.size = 0
+
+
+class _Batcher:
+    """Cuts a stream of row dicts into batches of exactly ``size`` rows (the last one may be short)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.parts: list[dict[str, np.ndarray]] = []
+        self.count = 0
+
+    def add(self, rows: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
+        self.parts.append(rows)
+        self.count += len(rows["position"])
+        while self.count >= self.size:
+            whole = self._join()
+            yield {k: v[:self.size] for k, v in whole.items()}
+            rest = {k: v[self.size:] for k, v in whole.items()}
+            self.parts, self.count = [rest], self.count - self.size
+
+    def flush(self) -> dict[str, np.ndarray] | None:
+        if self.count == 0:
+            return None
+        whole = self._join()
+        self.parts, self.count = [], 0
+        return whole
+
+    def _join(self) -> dict[str, np.ndarray]:
+        if len(self.parts) == 1:
+            return self.parts[0]
+        return {k: np.concatenate([p[k] for p in self.parts]) for k in self.parts[0]}
+
+
+def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is None or world_size is None:
+        dist = torch.distributed
+        live = dist.is_available() and dist.is_initialized()
+        rank = (dist.get_rank() if live else 0) if rank is None else rank
+        world_size = (dist.get_world_size() if live else 1) if world_size is None else world_size
+    if not 0 <= rank < world_size:
+        raise HsxError(f"rank {rank} is outside 0..{world_size - 1}")
+    return int(rank), int(world_size)
+
+
+def _row_groups(path: Path) -> list[int]:
+    try:
+        md = pq.ParquetFile(path).metadata
+    except FileNotFoundError:
+        raise ShardError(f"{path}: shard listed in the manifest is missing") from None
+    except (pa.ArrowException, OSError) as e:
+        raise ShardError(f"{path}: unreadable Parquet ({e})") from None
+    return [md.row_group(g).num_rows for g in range(md.num_row_groups)]
+
+
+def _check_file(path: Path, entry: ShardEntry | None) -> None:
+    """Size and whole-file checksum against the manifest (without one, page CRCs are checked on read)."""
+    if entry is None:
+        return
+    size = path.stat().st_size
+    if size != entry.bytes:
+        raise ShardError(f"{path}: {size} bytes on disk, manifest says {entry.bytes} (truncated or rewritten)")
+    digest = streamed_checksum(path)
+    if digest != entry.xxh3_128:
+        raise ShardError(f"{path}: checksum {digest} does not match the manifest's {entry.xxh3_128} (corrupt)")
+
+
+def _lengths(col: pa.ChunkedArray) -> np.ndarray:
+    return np.concatenate([np.diff(c.offsets.to_numpy()) for c in col.chunks]).astype(np.int64) if col.num_chunks else np.zeros(0, np.int64)
+
+
+def _raw_rows(col: pa.ChunkedArray, group: dict, dtype: str) -> np.ndarray:
+    """``[R, row_bytes]`` uint8 rows of a column (zero-copy when the row group is one chunk)."""
+    parts = []
+    for c in col.chunks:
+        offs = c.offsets.to_numpy()
+        t = fmt.block_view(c.values, int(offs[0]), int(offs[-1]), group["width"], fmt.dtype_of(dtype))
+        parts.append(t.view(torch.uint8).numpy().reshape(-1, group["width"] * fmt.itemsize(dtype)))
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts) if parts else np.zeros((0, group["width"] * fmt.itemsize(dtype)), np.uint8)
+
+
+def tokens_loader(path: str | Path, columns: Sequence[str] | None = None, where: str = "all", batch_size: int = 1024,
+                  shuffle_buffer: int = 1 << 16, seed: int = 0, **kwargs) -> TokenLoader:
+    """A :class:`TokenLoader` over the shards at ``path`` (see the module docstring)."""
+    return TokenLoader(path, columns, where, batch_size, shuffle_buffer, seed, **kwargs)

@@ -1,0 +1,121 @@
+"""Format version 2 against version 1: pandas reads whole shards, v1 shards still read, rows stay read-only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+import xxhash
+
+import hsx
+from hsx.errors import ShardError
+from hsx.shards import load_manifest
+from hsx.shards.format import FORMAT_VERSION, METADATA_CHECKSUM_KEY, METADATA_KEY
+from hsx.shards.manifest import file_checksum, save_manifest
+from shard_fixtures import bits, finite_records, make_metadata, write_sink
+
+torch.set_num_threads(1)
+
+
+def _with_metadata(table: pa.Table, meta: dict) -> pa.Table:
+    blob = json.dumps(meta, sort_keys=True).encode()
+    return table.replace_schema_metadata({METADATA_KEY: blob, METADATA_CHECKSUM_KEY: xxhash.xxh3_64_hexdigest(blob)})
+
+
+def as_version_1(src: Path, dst: Path) -> None:
+    """Rewrite a version 2 shard the way version 1 stored it: ``list<fixed_size_binary(row_bytes)>``."""
+    table = pq.read_table(src)
+    meta = json.loads(table.schema.metadata[METADATA_KEY])
+    meta = {**{k: v for k, v in meta.items() if k != "keep"}, "format_version": 1}
+    for g in meta["layers"]:
+        col = table.column(g["name"])
+        kind = pa.list_(pa.binary(g["row_bytes"]))
+        chunks = [pa.ListArray.from_arrays(c.offsets, c.values.cast(pa.binary()).cast(pa.binary(g["row_bytes"])))
+                  for c in col.chunks]
+        field = pa.field(g["name"], kind, nullable=False)
+        table = table.set_column(table.schema.get_field_index(g["name"]), field, pa.chunked_array(chunks, type=kind))
+    pq.write_table(_with_metadata(table, meta), dst, write_page_checksum=True)
+
+
+def test_pandas_reads_a_whole_shard_and_the_cells_are_the_rows(tmp_path):
+    import pandas as pd
+
+    meta = make_metadata([6, 3], "bfloat16")
+    records = finite_records(meta, [5, 1, 7, 4], seed=3)
+    write_sink(tmp_path, meta, records)
+    df = pd.read_parquet(tmp_path / "shard-00000.parquet")
+    assert df["sample_id"].tolist() == [r.sample_id for r in records]
+    for r, cell in zip(records, df["l0"]):
+        # one bytes object per row; joined, they are the [rows, W] matrix of the stored dtype
+        raw = np.frombuffer(b"".join(cell), dtype=np.int16).reshape(len(cell), 6) if len(cell) else np.zeros((0, 6), np.int16)
+        assert np.array_equal(raw, bits(r.hidden["l0"]).numpy())
+
+
+def test_version_1_shards_still_read_bit_exact(tmp_path):
+    meta = make_metadata([6, 3], "float16", "prefill")
+    records = finite_records(meta, [5, 2, 7], seed=4)
+    write_sink(tmp_path / "v2", meta, records)
+    old = tmp_path / "v1"
+    old.mkdir()
+    as_version_1(tmp_path / "v2" / "shard-00000.parquet", old / "shard-00000.parquet")
+    assert pq.read_schema(old / "shard-00000.parquet").field("l0").type == pa.list_(pa.binary(12))
+
+    # a single file (page CRCs) and a directory (whole-file checksum in a version 1 manifest)
+    m = load_manifest(tmp_path / "v2")
+    m.metadata = json.loads(pq.read_schema(old / "shard-00000.parquet").metadata[METADATA_KEY])
+    entry = m.shards[0]
+    entry.bytes, entry.xxh3_128 = (old / entry.file).stat().st_size, file_checksum(old / entry.file)
+    save_manifest(old, m)
+    for ds in (hsx.open(old / "shard-00000.parquet"), hsx.open(old)):
+        assert ds.metadata["format_version"] == 1
+        for r, s in zip(records, ds):
+            assert torch.equal(bits(s.hidden("l1")), bits(r.hidden["l1"]))
+            assert torch.equal(s.positions, torch.arange(r.num_rows))
+        tm = ds.tokens("l0")
+        assert torch.equal(bits(tm.hidden), bits(torch.cat([r.hidden["l0"] for r in records])))
+    assert FORMAT_VERSION == 2
+
+
+def test_a_row_of_the_wrong_length_is_a_shard_error_naming_the_file(tmp_path):
+    meta = make_metadata([4], "bfloat16")
+    write_sink(tmp_path / "out", meta, finite_records(meta, [3, 4]))
+    table = pq.read_table(tmp_path / "out" / "shard-00000.parquet")
+    col = table.column("l0").combine_chunks()
+    values = col.values.to_pylist()
+    values[2] = values[2] + b"\x00\x00"  # one row two bytes too long
+    kind = pa.list_(pa.large_binary())
+    bad = pa.ListArray.from_arrays(col.offsets, pa.array(values, pa.large_binary()))
+    table = table.set_column(table.schema.get_field_index("l0"), pa.field("l0", kind, nullable=False), bad)
+    f = tmp_path / "bad.parquet"
+    pq.write_table(table, f)
+    with pytest.raises(ShardError, match=r"bad.parquet.*'l0' has a 10-byte row.*8 bytes per row"):
+        hsx.open(f)
+
+
+def test_hidden_views_refuse_writes_and_reads_stay_unchanged(tmp_path):
+    meta = make_metadata([4], "bfloat16")
+    records = finite_records(meta, [5, 6], seed=5)
+    write_sink(tmp_path, meta, records)
+    ds = hsx.open(tmp_path)
+    h = ds[0].hidden("l0")
+    writes = {
+        "in-place op": lambda: h.add_(1),
+        "item assignment": lambda: h.__setitem__(0, 0.0),
+        "a view's in-place op": lambda: h[1:].zero_(),
+        "augmented assignment": lambda: h.__imul__(2),
+        "out=": lambda: torch.mul(h, 2, out=h),
+        "numpy view": lambda: h.view(torch.int16).numpy().__setitem__(0, 1),
+        "tokens() view": lambda: ds.tokens("l0").hidden.fill_(0),
+    }
+    for what, write in writes.items():
+        with pytest.raises(ValueError, match="read-only"):
+            write()
+    assert torch.equal(bits(ds[0].hidden("l0")), bits(records[0].hidden["l0"]))
+    copy = h.clone()
+    copy.add_(1)  # a copy is an ordinary tensor
+    assert type(copy) is torch.Tensor and type(h.float() * 2) is torch.Tensor

@@ -241,6 +241,22 @@ def test_eagle3_speculative_rows_are_the_aux_concatenation(models, tmp_path):
         extract(config(models, tmp_path / "bad", engine="sglang", spec_algorithm="EAGLE3", **spec), progress=False)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("algorithm,layers", [("EAGLE", "final"), ("EAGLE3", "eagle3")])
+def test_adapter_shards_pass_the_recompute(models, tmp_path, dtype, algorithm, layers):
+    """Rows that came through the adapter (nested lists, per-request slicing) pass ``verify --recompute``."""
+    from hsx.recompute import recompute
+
+    spec = dict(draft_model=models["draft"], spec_num_steps=3, spec_topk=2, spec_num_draft_tokens=6)
+    extract(config(models, tmp_path / "sgl", engine="sglang", spec_algorithm=algorithm, layers=layers, dtype=dtype,
+                   **spec), progress=False)
+    report = recompute(tmp_path / "sgl", device="cpu", progress=False)
+    assert report.ok, [f.message for f in report.findings][:5]
+    assert len(report.samples) == len(ROWS) and report.rows > 0
+    assert report.engine_compute_dtype == "auto"  # SGLang's own choice: the tolerance assumes bfloat16
+    assert report.row_checks == report.rows * (3 if layers == "eagle3" else 1)
+
+
 # ---- hazards ----------------------------------------------------------------------------------
 
 

@@ -90,6 +90,10 @@ def format_recompute(r, list_limit: int = 50) -> str:
         lines.append(f"  {s.column:<10} {_source(s.source):<7} {s.rows:>9,} {s.worst_rel:>10.3g} {s.mean_rel:>10.3g} "
                      f"{s.worst_cos:>10.6f} {s.bad_rows:>7,}")
     for s in r.sources:
+        if s.matches is not None:
+            lines.append(f"  FAULT  column {s.column!r} source {s.source} matches {s.matches} better than its own "
+                         f"(mean relative error {s.layer_mean[s.matches]:.3g} against it, {s.mean_rel:.3g} against "
+                         f"its own, over {s.rows:,} rows)")
         if s.bad_rows:
             what = ", ".join(f"{k}: {v:,}" for k, v in sorted(s.matched.items(), key=lambda kv: -kv[1]))
             lines.append(f"  FAULT  column {s.column!r} source {s.source}: {s.bad_rows:,} of {s.rows:,} rows faulty ({what})")
@@ -104,14 +108,17 @@ def format_recompute(r, list_limit: int = 50) -> str:
     if len(shown) < len(r.samples):
         lines.append(f"  ({len(r.samples) - len(shown):,} samples not listed; --json lists every sample)")
     bad = [x for x in r.samples if x.findings]
+    columns = [s for s in r.sources if s.matches is not None]
     lines.append(f"checked {len(r.samples):,} of {r.samples_total:,} samples, {r.rows:,} rows x {len(r.sources)} column "
                  f"source(s) = {r.row_checks:,} row checks in {r.seconds:.1f} s ({r.rows_per_s:,.0f} rows/s; "
                  f"{r.check_rows_per_s:,.0f} rows/s after {r.load_seconds:.1f} s of loading)")
-    if not bad:
+    if r.ok:
         lines.append("recompute: OK")
     else:
         kinds = {}
         for x in bad:
             kinds[x.verdict] = kinds.get(x.verdict, 0) + 1
-        lines.append("recompute: FAILED (" + ", ".join(f"{n} sample(s) {k}" for k, n in kinds.items()) + ")")
+        parts = [f"{n} sample(s) {k}" for k, n in kinds.items()]
+        parts += [f"column {s.column!r} source {s.source} holds {s.matches}" for s in columns]
+        lines.append("recompute: FAILED (" + ", ".join(parts) + ")")
     return "\n".join(lines)

@@ -1,12 +1,12 @@
 """How far clean rows are from the recompute, and what the recompute costs against extraction.
 
-    .venv/bin/python scripts/bench_recompute.py MODEL_DIR [--draft DIR] [--limit N] [--max-new-tokens N]
+    .venv/bin/python scripts/bench_recompute.py MODEL_DIR [--draft DIR] [--mode generate|prefill] [--limit N]
 
 Extracts the demo prompts with the transformers engine, computing in float32 and in bfloat16
 and storing float32 and bfloat16, then runs the recompute in float32 and in bfloat16 over each
 output. Prints the worst per-row relative error and cosine per (engine compute, stored, recompute)
 dtypes and per column source, and the recompute's rows/s against extraction's on the same
-shards; writes bench_out/recompute-<model>.json. These numbers are where the tolerance's
+shards; writes bench_out/recompute-<model>-<mode>.json. These numbers are where the tolerance's
 measured terms (hsx/recompute/tolerance.py) come from.
 """
 
@@ -33,6 +33,8 @@ def main() -> None:
     ap.add_argument("--draft")
     ap.add_argument("--limit", type=int, default=40)
     ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--mode", default="generate", choices=["generate", "prefill"])
+    ap.add_argument("--runs", default="all", choices=["all", "float32"], help="float32: only the float32 extraction")
     ap.add_argument("--out", default=str(ROOT / "bench_out"))
     args = ap.parse_args()
     from transformers import AutoConfig
@@ -40,12 +42,13 @@ def main() -> None:
     num_layers = AutoConfig.from_pretrained(args.model).num_hidden_layers
     out = Path(args.out)
     rows = []
-    for compute, stored in RUNS:
-        d = out / f"recompute-shards-{compute}-{stored}"
-        cfg = ExtractConfig(model=args.model, draft_model=args.draft, dataset=str(ROOT / "hsx/demo_data/prompts.jsonl"),
+    for compute, stored in RUNS if args.runs == "all" else RUNS[:1]:
+        d = out / f"recompute-shards-{args.mode}-{compute}-{stored}"
+        cfg = ExtractConfig(model=args.model, draft_model=args.draft if args.mode == "generate" else None, dataset=str(ROOT / "hsx/demo_data/prompts.jsonl"),
                             id_field="id", output=str(d), layers=f"final,eagle3,0,{num_layers}", dtype=stored,
-                            model_dtype=compute, max_new_tokens=args.max_new_tokens, limit=args.limit, batch_size=8,
-                            **({"spec_num_steps": 3, "spec_topk": 1, "spec_num_draft_tokens": 4} if args.draft else {}))
+                            model_dtype=compute, mode=args.mode, max_new_tokens=args.max_new_tokens, limit=args.limit, batch_size=8,
+                            **({"spec_num_steps": 3, "spec_topk": 1, "spec_num_draft_tokens": 4}
+                               if args.draft and args.mode == "generate" else {}))
         t0 = time.perf_counter()
         run = extract(cfg, overwrite=True, progress=False)
         extract_s = time.perf_counter() - t0
@@ -67,7 +70,7 @@ def main() -> None:
                 print(f"    {key:<14} worst rel {worst:.3g}  mean rel {mean:.3g}  worst cos {cos:.6f}")
     out.mkdir(parents=True, exist_ok=True)
     name = Path(args.model).name
-    (out / f"recompute-{name}.json").write_text(json.dumps({"model": args.model, "num_layers": num_layers,
+    (out / f"recompute-{name}-{args.mode}.json").write_text(json.dumps({"model": args.model, "num_layers": num_layers,
                                                             "threads": torch.get_num_threads(), "runs": rows}, indent=1))
 
 

@@ -198,7 +198,10 @@ def test_rows_shifted_by_one_position(models, shards, tmp_path, stored, compute,
     assert {f["matched"] for f in s["findings"]} == {f"position p{shift:+d}"}, [f["message"] for f in s["findings"]]
     for column in ("final", "eagle3", "b3", "b8"):
         flagged = sum(f["rows"] for f in s["findings"] if f["column"] == column)
-        assert flagged >= (s["rows"] - 1) * (3 if column == "eagle3" else 1) - 1, column  # every moved row
+        if compute == "float32":  # every moved row
+            assert flagged >= (s["rows"] - 1) * (3 if column == "eagle3" else 1) - 1, column
+        else:  # a bfloat16 engine: rows whose neighbour's state is within the limit cannot be told apart
+            assert flagged >= 1, column
 
 
 @pytest.mark.parametrize("stored,compute", KINDS_OF_SHARDS)
@@ -249,9 +252,13 @@ def test_last_rows_dropped_and_padded(shards, tmp_path, stored, compute, padding
     assert {f["kind"] for f in s["findings"]} == {padding}, [f["message"] for f in s["findings"]]
     pad = (s["rows"] - dropped, s["rows"] - 1)
     deep = [f for f in s["findings"] if f["column"] != "b0"]
-    assert {(f["first"], f["last"]) for f in deep} == {pad} and len(deep) == 6  # every other column source
+    if compute == "float32":
+        assert {(f["first"], f["last"]) for f in deep} == {pad} and len(deep) == 6  # every other column source
+    else:  # a copy of a state within the bfloat16 limit of the right one (the same token nearby) passes
+        assert {(f["column"], f["source"]) for f in deep if f["first"] == pad[0]} == {
+            ("final", "final"), ("eagle3", 2), ("eagle3", 4), ("eagle3", 5), ("b3", 3), ("b8", 8)}
     # at boundary 0 a pad row holding the embedding of its own (repeated) token is right, not flagged
-    assert all(pad[0] <= f["first"] <= f["last"] <= pad[1] for f in s["findings"] if f["column"] == "b0")
+    assert all(pad[0] <= f["first"] <= f["last"] <= pad[1] for f in s["findings"])
 
 
 @pytest.mark.parametrize("stored,compute", KINDS_OF_SHARDS)
@@ -268,12 +275,16 @@ def test_column_from_the_neighbouring_boundary(models, shards, tmp_path, stored,
     code, out = run_cli(rewrite(shards[(stored, compute)], tmp_path / "layer", edit))
     assert code == 1
     r = out["recompute"]
-    assert all(s["verdict"] == "misaligned" for s in r["samples"])
-    findings = [f for s in r["samples"] for f in s["findings"]]
-    assert {(f["column"], f["source"], f["kind"], f["matched"]) for f in findings} == {(column, source, "boundary", f"boundary {wrong}")}
+    # the column-level test: averaged over every row, the column matches the other boundary
     col = next(c for c in r["sources"] if c["column"] == column and c["source"] == source)
-    assert col["bad_rows"] == col["rows"] and col["matched"] == {f"boundary {wrong}": col["rows"]}
-    assert f"column {column!r} source {source}: matches boundary {wrong} instead" in findings[0]["message"]
+    assert col["matches"] == f"boundary {wrong}"
+    assert [(c["column"], c["source"]) for c in r["sources"] if c["matches"]] == [(column, source)]
+    findings = [f for s in r["samples"] for f in s["findings"]]
+    assert {(f["column"], f["source"], f["kind"], f["matched"]) for f in findings} <= {(column, source, "boundary", f"boundary {wrong}")}
+    if compute == "float32":  # every row on its own, too
+        assert all(s["verdict"] == "misaligned" for s in r["samples"])
+        assert col["bad_rows"] == col["rows"] and col["matched"] == {f"boundary {wrong}": col["rows"]}
+        assert f"column {column!r} source {source}: matches boundary {wrong} instead" in findings[0]["message"]
 
 
 @pytest.mark.parametrize("stored,compute", KINDS_OF_SHARDS)
@@ -357,3 +368,33 @@ def test_in_memory_samples_from_the_engine(models):
     results = check_samples(models["model"], samples, groups, tol)
     assert [r.verdict for r in results] == ["ok", "misaligned", "ok"]
     assert {f.column for f in results[1].findings} == {"b4"}
+
+
+@pytest.mark.parametrize("fault", ["shift", "swap", "layer", "prenorm"])
+def test_misplaced_rows_are_caught_by_the_position_and_layer_tests_alone(models, shards, tmp_path, fault):
+    # --rtol 1e9 lets every row pass its own error test: only "closer to another state than to its
+    # own" can flag these rows, which is what keeps a loose bfloat16 limit sharp on misalignment
+    path = shards[("bfloat16", "bfloat16")]
+    src = hsx.open(path)
+    a, b = src.select(["text-d"])[0], src.select(["chat-e"])[0]
+    hi = min(a.num_rows, b.num_rows)
+    lo = int((a.input_ids[:hi] != b.input_ids[:hi]).nonzero()[0, 0])
+    swap = {"text-d": b.hidden("final")[lo:hi].clone(), "chat-e": a.hidden("final")[lo:hi].clone()}
+
+    def edit(k, s, hidden):
+        if fault == "shift" and s.sample_id == "chat-e":
+            hidden["final"] = torch.cat([hidden["final"][:1], hidden["final"][:-1]])
+        elif fault == "swap" and s.sample_id in swap:
+            hidden["final"][lo:hi] = swap[s.sample_id]
+        elif fault == "layer":
+            hidden["b3"][:] = states_like(models["model"], s.input_ids, 4, torch.bfloat16)[: hidden["b3"].shape[0]]
+        elif fault == "prenorm":
+            hidden["b8"][:] = states_like(models["model"], s.input_ids, "final", torch.bfloat16)[: hidden["b8"].shape[0]]
+
+    code, out = run_cli(rewrite(path, tmp_path / fault, edit), "--rtol", "1e9")
+    assert code == 1
+    findings = [f for s in out["recompute"]["samples"] for f in s["findings"]]
+    want = {"shift": {("final", "position p-1")}, "swap": {("final", "sample 'chat-e'"), ("final", "sample 'text-d'")},
+            "layer": {("b3", "boundary 4")}, "prenorm": {("b8", "final (after the final norm)")}}[fault]
+    assert {(f["column"], f["matched"]) for f in findings} == want
+    assert out["recompute"]["tolerance"]["rel"] == 1e9 and all(f["worst_rel"] <= 1e9 for f in findings)

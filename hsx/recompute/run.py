@@ -169,6 +169,8 @@ def recompute(
         bar.set_postfix(bad=sum(1 for r in report.samples if r.findings), refresh=False)
     bar.close()
     report.sources = list(stats.values())
+    for s in report.sources:
+        s.finish(tol.margin)
     report.rows = sum(r.rows for r in report.samples)
     report.row_checks = sum(s.rows for s in report.sources)
     report.seconds = time.perf_counter() - t0

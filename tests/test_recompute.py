@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -27,8 +26,8 @@ from hsx.errors import HsxError
 from hsx.pipeline import extract
 from hsx.recompute import Reference, check_samples, recompute, tolerance_for
 from hsx.recompute.tolerance import UNIT_ROUNDOFF
-from hsx.shards import Manifest, Record, ShardSink
 from oracle import oracle_sources
+from shard_fixtures import rewrite
 
 NUM_LAYERS = 8
 LAYERS = "final,eagle3,0,3,8"  # eagle3 = boundaries [2, 4, 5]
@@ -85,20 +84,6 @@ def shards(models) -> dict:
 def run_cli(path: Path, *extra: str) -> tuple[int, dict]:
     result = runner.invoke(app, ["verify", str(path), "--recompute", "--json", *extra])
     return result.exit_code, json.loads(result.stdout)
-
-
-def rewrite(src: Path, dst: Path, edit) -> Path:
-    """Copy ``src`` to ``dst`` with ``edit(sample_index, sample, hidden)`` changing the cloned rows in place."""
-    ds = hsx.open(src)
-    sink = ShardSink(dst, Manifest(ds.metadata, config_hash="faulty"))
-    for k, s in enumerate(ds):
-        hidden = {name: s.hidden(name).clone() for name in ds.columns}
-        edit(k, s, hidden)
-        accept = s.accept_lens
-        sink.add(Record(s.sample_id, s.source_index, s.input_ids.long(), s.prompt_len, s.loss_mask, s.finish_reason,
-                        hidden, None if accept is None else accept.clone(), s.verify_steps))
-    sink.close()
-    return dst
 
 
 def states_like(model, ids: torch.Tensor, source, dtype: torch.dtype) -> torch.Tensor:
@@ -162,13 +147,15 @@ def test_clean_text_report_prints_time_and_rate(shards):
 
 def test_samples_are_chosen_reproducibly(shards):
     path = shards[("float32", "float32")]
-    a = recompute(path, samples=3, seed=5, progress=False)
-    b = recompute(path, samples=3, seed=5, progress=False)
-    c = recompute(path, samples=3, seed=6, progress=False)
-    ids = lambda r: [s.sample_id for s in r.samples]
-    assert ids(a) == ids(b) and len(ids(a)) == 3 and a.ok
-    assert ids(a) != ids(c) or ids(a) == ids(c) == sorted(ids(a))  # a different seed may pick the same three
-    assert set(ids(a)) <= {r["id"] for r in ROWS}
+    order = hsx.open(path).sample_ids
+    picked = {}
+    for seed in (5, 5, 6, 7):
+        r = recompute(path, samples=3, seed=seed, progress=False)
+        ids = [s.sample_id for s in r.samples]
+        assert r.ok and len(set(ids)) == 3 and r.samples_total == len(ROWS)
+        assert ids == sorted(ids, key=order.index)  # checked in storage order
+        assert picked.setdefault(seed, ids) == ids  # the same seed picks the same samples
+    assert len({tuple(v) for v in picked.values()}) > 1  # and the seed matters
 
 
 # --- injected faults ---------------------------------------------------------------------------

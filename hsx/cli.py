@@ -51,25 +51,54 @@ def inspect(
     typer.echo(format_inspect(summary, all_errors=errors))
 
 
+def _opt(help: str, *names: str, **kw):
+    return typer.Option(*names, help=help, show_default=False, **kw)
+
+
 @app.command()
-def verify(path: PathArg, as_json: AsJson = False) -> None:
-    """Check manifest vs files, checksums, schema, alignment row counts and NaN/Inf; exit 1 on any fault."""
-    from hsx.report import format_verify
+def verify(
+    path: PathArg,
+    as_json: AsJson = False,
+    recompute: Annotated[bool, _opt("Also re-run a teacher-forced forward of the model and check every stored row of every column against it.", "--recompute")] = False,
+    model: Annotated[Optional[str], _opt("--recompute: the model to use (default: the path in the shard metadata); its config must match.")] = None,
+    force: Annotated[bool, _opt("--recompute: use --model even if its config differs from the recorded one.", "--force")] = False,
+    device: Annotated[str, _opt("--recompute: auto (cuda when present), cpu, cuda or cuda:N.")] = "auto",
+    model_dtype: Annotated[str, _opt("--recompute: compute dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16.")] = "auto",
+    samples: Annotated[Optional[int], _opt("--recompute: check only N samples, chosen reproducibly with --seed.")] = None,
+    seed: Annotated[int, _opt("--recompute: seed for --samples.")] = 0,
+    batch_size: Annotated[int, _opt("--recompute: samples per forward (default 8).")] = 8,
+    rtol: Annotated[Optional[float], _opt("--recompute: per-row relative error limit (default: by stored and compute dtypes, see docs/RECOMPUTE.md).")] = None,
+    trust_remote_code: Annotated[bool, _opt("--recompute: allow the model repository to run its own code.", "--trust-remote-code")] = False,
+    quiet: Annotated[bool, _opt("No progress bar.", "--quiet", "-q")] = False,
+) -> None:
+    """Check manifest vs files, checksums, schema, alignment row counts and NaN/Inf; with --recompute, every
+    row against an independent forward of the model. Exit 1 on any fault."""
+    import dataclasses
+
+    from hsx.report import format_recompute, format_verify
     from hsx.shards.verify import verify as verify_shards
 
     report = verify_shards(path)
-    if as_json:
-        import dataclasses
+    checked = None
+    if recompute and report.ok:
+        from hsx.recompute import recompute as run_recompute
 
-        typer.echo(json.dumps({**dataclasses.asdict(report), "ok": report.ok}, indent=1))
+        checked = run_recompute(path, model=model, device=device, dtype=model_dtype, samples=samples, seed=seed,
+                                batch_size=batch_size, rtol=rtol, force=force, trust_remote_code=trust_remote_code,
+                                progress=not quiet and not as_json)
+    if as_json:
+        out = {**dataclasses.asdict(report), "ok": report.ok}
+        if recompute:
+            out["recompute"] = None if checked is None else checked.to_dict()
+        typer.echo(json.dumps(out, indent=1, default=str))
     else:
         typer.echo(format_verify(report))
-    if not report.ok:
+        if checked is not None:
+            typer.echo(format_recompute(checked))
+        elif recompute:
+            typer.echo("recompute: not run (fix the faults above first)")
+    if not report.ok or (checked is not None and not checked.ok):
         raise typer.Exit(1)
-
-
-def _opt(help: str, *names: str, **kw):
-    return typer.Option(*names, help=help, show_default=False, **kw)
 
 
 def _cfg(help: str, *names: str, **kw):

@@ -95,3 +95,54 @@ def format_run(s) -> str:
     if s.mean_accept_len is not None:
         lines.append(f"  speculative: mean accept length {s.mean_accept_len:.2f} over {s.verify_steps:,} verify steps")
     return "\n".join(lines)
+
+
+def _source(s) -> str:
+    return str(s)
+
+
+def format_recompute(r, list_limit: int = 50) -> str:
+    """The recompute's verdicts: per column source, per sample (all of them up to ``list_limit``), findings, timing."""
+    t = r.tolerance
+    lines = [
+        f"recompute: {r.model} on {r.device} in {r.compute_dtype} (rows stored as {r.stored_dtype}, computed in "
+        f"{r.engine_compute_dtype or 'an unrecorded dtype'}); a row passes with relative error <= {t['rel']:.3g} "
+        f"and cosine >= {t['cos']:.6f}, and no neighbouring position, sample or layer closer",
+        f"  {'column':<10} {'source':<7} {'rows':>9} {'worst rel':>10} {'mean rel':>10} {'worst cos':>10} {'bad':>7}",
+    ]
+    for s in r.sources:
+        lines.append(f"  {s.column:<10} {_source(s.source):<7} {s.rows:>9,} {s.worst_rel:>10.3g} {s.mean_rel:>10.3g} "
+                     f"{s.worst_cos:>10.6f} {s.bad_rows:>7,}")
+    for s in r.sources:
+        if s.matches is not None:
+            lines.append(f"  FAULT  column {s.column!r} source {s.source} matches {s.matches} better than its own "
+                         f"(mean relative error {s.layer_mean[s.matches]:.3g} against it, {s.mean_rel:.3g} against "
+                         f"its own, over {s.rows:,} rows)")
+        if s.bad_rows:
+            what = ", ".join(f"{k}: {v:,}" for k, v in sorted(s.matched.items(), key=lambda kv: -kv[1]))
+            lines.append(f"  FAULT  column {s.column!r} source {s.source}: {s.bad_rows:,} of {s.rows:,} rows faulty ({what})")
+    shown = r.samples if len(r.samples) <= list_limit else [x for x in r.samples if x.findings][:list_limit]
+    lines.append(f"  {'sample':<24} {'rows':>7} {'worst rel':>10} {'worst cos':>10}  verdict")
+    for x in shown:
+        lines.append(f"  {x.sample_id:<24} {x.rows:>7,} {x.worst_rel:>10.3g} {x.worst_cos:>10.6f}  {x.verdict}")
+        for f in x.findings[:10]:
+            lines.append(f"           - {f.message}")
+        if len(x.findings) > 10:
+            lines.append(f"           - ... and {len(x.findings) - 10} more runs of faulty rows")
+    if len(shown) < len(r.samples):
+        lines.append(f"  ({len(r.samples) - len(shown):,} samples not listed; --json lists every sample)")
+    bad = [x for x in r.samples if x.findings]
+    columns = [s for s in r.sources if s.matches is not None]
+    lines.append(f"checked {len(r.samples):,} of {r.samples_total:,} samples, {r.rows:,} rows x {len(r.sources)} column "
+                 f"source(s) = {r.row_checks:,} row checks in {r.seconds:.1f} s ({r.rows_per_s:,.0f} rows/s; "
+                 f"{r.check_rows_per_s:,.0f} rows/s after {r.load_seconds:.1f} s of loading)")
+    if r.ok:
+        lines.append("recompute: OK")
+    else:
+        kinds = {}
+        for x in bad:
+            kinds[x.verdict] = kinds.get(x.verdict, 0) + 1
+        parts = [f"{n} sample(s) {k}" for k, n in kinds.items()]
+        parts += [f"column {s.column!r} source {s.source} holds {s.matches}" for s in columns]
+        lines.append("recompute: FAILED (" + ", ".join(parts) + ")")
+    return "\n".join(lines)

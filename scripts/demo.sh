@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job on the demo: build a tiny target + draft + tokenizer locally, extract hidden states
-# from the shipped prompts with speculative decoding, then inspect and verify the shards.
+# from the shipped prompts with speculative decoding, then inspect the shards and verify them,
+# every row against an independent forward of the target (--recompute).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -15,4 +16,4 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error
   --mode generate --max-new-tokens 48 --batch-size 8 \
   --spec-num-steps 3 --spec-topk 1 --spec-num-draft-tokens 4
 "$VENV/bin/hsx" inspect "$OUT/shards"
-"$VENV/bin/hsx" verify "$OUT/shards"
+"$VENV/bin/hsx" verify "$OUT/shards" --recompute --quiet

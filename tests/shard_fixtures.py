@@ -112,5 +112,22 @@ def write_sink(directory: Path, meta: dict, records: list[Record], errors=(), **
     return sink.close()
 
 
+def rewrite(src: Path, dst: Path, edit) -> Path:
+    """Copy the output ``src`` to ``dst`` through the sink, ``edit(index, sample, hidden)`` changing the cloned
+    rows in place: checksums and row counts stay valid, so only a recompute can see the change."""
+    import hsx
+
+    ds = hsx.open(src)
+    sink = ShardSink(dst, Manifest(ds.metadata, config_hash="rewritten"))
+    for k, s in enumerate(ds):
+        hidden = {name: s.hidden(name).clone() for name in ds.columns}
+        edit(k, s, hidden)
+        accept = s.accept_lens
+        sink.add(Record(s.sample_id, s.source_index, s.input_ids.long(), s.prompt_len, s.loss_mask, s.finish_reason,
+                        hidden, None if accept is None else accept.clone(), s.verify_steps))
+    sink.close()
+    return dst
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(BITS[t.dtype])

@@ -29,7 +29,10 @@ from hsx.engine.hf import HFEngine, SamplingSettings, SpecSettings
 from hsx.engine.sglang import capture_ids_for, import_sglang, sglang_capture
 from hsx.errors import HsxError
 from hsx.pipeline import extract
+from hsx.recompute import recompute
 from hsx.shards.manifest import load_manifest
+from oracle import oracle_sources
+from shard_fixtures import rewrite
 
 NUM_LAYERS = 8
 HIDDEN = 64
@@ -236,6 +239,39 @@ def test_eagle3_speculative_rows_are_the_aux_concatenation(models, tmp_path):
     assert assert_same_shards(tmp_path / "hf", tmp_path / "sgl", speculative=True) > 0
     with pytest.raises(HsxError, match="aux concatenation"):
         extract(config(models, tmp_path / "bad", engine="sglang", spec_algorithm="EAGLE3", **spec), progress=False)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("algorithm,layers", [("EAGLE", "final"), ("EAGLE3", "eagle3")])
+def test_adapter_shards_pass_the_recompute(models, tmp_path, dtype, algorithm, layers):
+    """Rows that came through the adapter (nested lists, per-request slicing) pass ``verify --recompute``."""
+    spec = dict(draft_model=models["draft"], spec_num_steps=3, spec_topk=2, spec_num_draft_tokens=6)
+    extract(config(models, tmp_path / "sgl", engine="sglang", spec_algorithm=algorithm, layers=layers, dtype=dtype,
+                   **spec), progress=False)
+    report = recompute(tmp_path / "sgl", device="cpu", progress=False)
+    assert report.ok, [f.message for f in report.findings][:5]
+    assert len(report.samples) == len(ROWS) and report.rows > 0
+    assert report.engine_compute_dtype == "auto"  # SGLang's own choice: the tolerance assumes bfloat16
+    assert report.row_checks == report.rows * (3 if layers == "eagle3" else 1)
+
+
+@pytest.mark.parametrize("fault,want", [("shift", "position p+1"), ("prenorm", f"boundary {NUM_LAYERS} (before the final norm)")])
+def test_faults_in_adapter_shards_are_diagnosed(models, tmp_path, fault, want):
+    spec = dict(draft_model=models["draft"], spec_num_steps=3, spec_topk=2, spec_num_draft_tokens=6)
+    extract(config(models, tmp_path / "sgl", engine="sglang", spec_algorithm="EAGLE", **spec), progress=False)
+    target = AutoModelForCausalLM.from_pretrained(models["target"], dtype=torch.float32).eval()
+
+    def edit(k, s, hidden):
+        truth = oracle_sources(target, s.input_ids.long())
+        if fault == "shift" and s.sample_id == "text-b":  # row p holds the state of p+1
+            hidden["final"] = torch.cat([hidden["final"][1:], truth["final"][-1:]])
+        elif fault == "prenorm":
+            hidden["final"] = truth[NUM_LAYERS][: hidden["final"].shape[0]].clone()
+
+    report = recompute(rewrite(tmp_path / "sgl", tmp_path / "bad", edit), device="cpu", progress=False)
+    assert not report.ok
+    assert {f.matched for f in report.findings} == {want}
+    assert {f.sample_id for f in report.findings} == ({"text-b"} if fault == "shift" else {r["id"] for r in ROWS})
 
 
 # ---- hazards ----------------------------------------------------------------------------------

@@ -1,0 +1,126 @@
+"""The independent reference: a plain teacher-forced forward of the shards' model over the stored tokens.
+
+It shares no code with the engines' decoding paths: no cache, no 4-D masks, no draft tree, no
+row collection. One right-padded batch per call, positions ``0..N-1`` per sample (right padding
+never shifts the real tokens' positions, and causal attention never lets them see the padding).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from hsx.align import FINAL, ModelShape
+from hsx.errors import HsxError
+
+
+def config_sha256(config, name_or_path: str | None = None, dtype: str | None = None) -> str:
+    """The hash ``hsx extract`` records as ``model.config_sha256``.
+
+    That hash covers the whole config JSON, including ``_name_or_path`` and the dtype the model
+    was loaded in, so a local copy of the same model hashes differently; pass the recorded path
+    and dtype to ask "is this the config that extraction saw?".
+    """
+    import copy
+
+    c = copy.deepcopy(config)
+    if name_or_path is not None:
+        c._name_or_path = name_or_path
+    if dtype is not None:
+        c.dtype = dtype
+    return hashlib.sha256(c.to_json_string(use_diff=False).encode()).hexdigest()[:16]
+
+
+def config_matches(config, recorded: dict) -> bool:
+    """Whether ``config`` is the one described by a shard's ``model`` metadata (path and dtype aside)."""
+    want = recorded.get("config_sha256")
+    if not want:
+        return True  # nothing recorded to compare with (hand-written shards)
+    path = recorded.get("path")
+    return any(config_sha256(config, path, d) == want for d in (None, "float32", "bfloat16", "float16"))
+
+
+def neighbour_sources(sources: Sequence[int | str], num_layers: int) -> list[int | str]:
+    """Sources worth comparing a column against besides its own: boundaries b-1 and b+1, and the
+    other side of the final norm (boundary L for ``final``, ``final`` for boundary L)."""
+    out: list[int | str] = []
+    for s in sources:
+        if s == FINAL:
+            out.append(num_layers)
+            continue
+        out += [b for b in (s - 1, s + 1) if 0 <= b <= num_layers]
+        if s == num_layers:
+            out.append(FINAL)
+    return out
+
+
+@dataclass
+class Reference:
+    """A loaded model that returns the states of chosen sources for a batch of token sequences."""
+
+    model: torch.nn.Module
+    shape: ModelShape
+    device: torch.device
+    dtype: torch.dtype
+
+    @staticmethod
+    def load(path: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False) -> "Reference":
+        from transformers import AutoModelForCausalLM
+
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                         attn_implementation="sdpa")
+        except (OSError, ValueError) as e:
+            raise HsxError(f"cannot load model {path!r} for the recompute: {e}") from None
+        return Reference.wrap(model.to(device).eval())
+
+    @staticmethod
+    def wrap(model: torch.nn.Module) -> "Reference":
+        """A reference around a model already in memory (e.g. a script's own)."""
+        p = next(model.parameters())
+        if getattr(getattr(model, "model", None), "norm", None) is None:
+            raise HsxError(f"{type(model).__name__} has no model.norm: boundary L (the final norm's input) cannot be captured")
+        return Reference(model, ModelShape.from_config(model.config), p.device, p.dtype)
+
+    def states(self, input_ids: Sequence[torch.Tensor], sources: Sequence[int | str]) -> dict:
+        """``{source: [B, T, H] float32}`` for the sequences ``input_ids`` (T = the longest), on ``self.device``.
+
+        transformers' ``hidden_states[b]`` is boundary b for b < L and its last entry is ``final``;
+        boundary L (the last block's output before the norm) is the final norm's input, taken with
+        a pre-hook. Positions past a sequence's end hold padding states: callers mask them.
+        """
+        num_layers = self.shape.num_layers
+        lengths = torch.tensor([t.numel() for t in input_ids])
+        width = int(lengths.max())
+        ids = torch.zeros(len(input_ids), width, dtype=torch.long)
+        for i, t in enumerate(input_ids):
+            ids[i, : t.numel()] = t.reshape(-1).long()
+        mask = (torch.arange(width)[None, :] < lengths[:, None]).long()  # [B, T]
+        vocab = self.model.config.get_text_config().vocab_size
+        if int(ids.max()) >= vocab or int(ids.min()) < 0:
+            raise HsxError(f"stored token ids outside 0..{vocab - 1}: these shards were not made with this model")
+        box = {}
+
+        def keep_input(module, args):  # returns None: a pre-hook's return value would replace the input
+            box["pre"] = args[0]
+
+        base = self.model.model  # the decoder without lm_head: no [B, T, vocab] logits are made
+        handle = base.norm.register_forward_pre_hook(keep_input)
+        try:
+            with torch.inference_mode():
+                out = base(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), output_hidden_states=True)
+        finally:
+            handle.remove()
+        hs = out.hidden_states
+        if len(hs) != num_layers + 1:
+            raise HsxError(f"model returned {len(hs)} hidden-state entries, expected num_layers + 1 = {num_layers + 1}")
+
+        def pick(s):
+            if s == FINAL:
+                return hs[num_layers]
+            return box["pre"] if s == num_layers else hs[s]
+
+        return {s: pick(s).float() for s in dict.fromkeys(sources)}

@@ -1,0 +1,177 @@
+"""``hsx verify --recompute``: every stored row of every column against an independent forward.
+
+``recompute(path)`` reads shards; ``check_samples(reference, samples, groups, tol)`` checks
+samples already in memory (an engine's ``AlignedSample`` or a shard ``Sample``), for scripts
+that want the same verdicts without writing shards.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from hsx.align import FINAL, LayerGroup
+from hsx.errors import HsxError
+from hsx.recompute.compare import Tolerance, check_segment
+from hsx.recompute.reference import Reference, config_matches, neighbour_sources
+from hsx.recompute.results import Finding, RecomputeReport, SampleResult, SourceResult, findings_of, source_label
+from hsx.recompute.tolerance import tolerance_for
+
+EXPECTED_ROWS = {"generate": lambda n: max(n - 1, 0), "prefill": lambda n: n}
+
+
+def _hidden(sample, name: str) -> torch.Tensor:
+    h = sample.hidden
+    return h[name] if isinstance(h, Mapping) else h(name)
+
+
+def _sample_id(sample, index: int) -> str:
+    return str(getattr(sample, "sample_id", None) or f"#{index}")
+
+
+def _stored_block(samples, name: str, width: int, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Column ``name`` of every sample, padded: ``[B, T, W]`` float32 and ``valid [B, T]``."""
+    block = torch.zeros(len(samples), length, width, device=device)
+    valid = torch.zeros(len(samples), length, dtype=torch.bool, device=device)
+    for i, s in enumerate(samples):
+        rows = _hidden(s, name)[:length]  # rows past the last token have no position to compare with
+        block[i, : rows.shape[0]] = rows.to(device=device, dtype=torch.float32)
+        valid[i, : rows.shape[0]] = True
+    return block, valid
+
+
+def check_samples(
+    reference: Reference | torch.nn.Module,
+    samples: Sequence,
+    groups: Sequence[LayerGroup],
+    tol: Tolerance,
+    mode: str = "generate",
+    sources: dict[tuple[str, int | str], SourceResult] | None = None,
+) -> list[SampleResult]:
+    """Check one batch of samples (each with ``input_ids [N]`` and hidden rows per column, row j = position j).
+
+    ``sources``, when given, accumulates per-column-source statistics across calls.
+    """
+    ref = reference if isinstance(reference, Reference) else Reference.wrap(reference)
+    num_layers, unit = ref.shape.num_layers, ref.shape.unit_width
+    ids = [torch.as_tensor(s.input_ids).reshape(-1).long() for s in samples]
+    sample_ids = [_sample_id(s, k) for k, s in enumerate(samples)]
+    n_tokens = torch.tensor([t.numel() for t in ids])
+    length = int(n_tokens.max())
+    wanted = [src for g in groups for src in (*g.sources, *neighbour_sources(g.sources, num_layers))]
+    states = ref.states(ids, wanted)
+    results = [SampleResult(sid, 0) for sid in sample_ids]
+    for i, s in enumerate(samples):
+        got, want = _hidden(s, groups[0].name).shape[0] if groups else 0, EXPECTED_ROWS[mode](int(n_tokens[i]))
+        results[i].rows = min(got, int(n_tokens[i]))
+        if got != want:
+            results[i].findings.append(Finding(sample_ids[i], groups[0].name, "", 0, max(got, want) - 1, abs(got - want),
+                                               "count", "", float("inf"), f"sample {sample_ids[i]!r}: {got} rows for "
+                                               f"{int(n_tokens[i])} tokens, {mode} mode needs {want}"))
+    for g in groups:
+        if g.width != unit * len(g.sources):
+            raise HsxError(f"column {g.name!r} is {g.width} wide for {len(g.sources)} source(s); the model's states "
+                           f"are {unit} wide")
+        block, valid = _stored_block(samples, g.name, g.width, length, ref.device)
+        for k, src in enumerate(g.sources):
+            alts = neighbour_sources([src], num_layers)
+            labels = [source_label(x, num_layers) for x in (src, *alts)]
+            check = check_segment(block[:, :, k * unit:(k + 1) * unit], valid, states[src], [states[a] for a in alts],
+                                  n_tokens, tol)
+            if sources is not None:
+                sources.setdefault((g.name, src), SourceResult(g.name, src)).add(check, labels)
+            worst_rel = check.rel.nan_to_num(nan=float("inf")).amax(1).tolist()  # [B] per-sample summaries
+            worst_cos = check.cos.nan_to_num(nan=-1.0).amin(1).tolist()
+            for i, r in enumerate(results):
+                r.worst_rel, r.worst_cos = max(r.worst_rel, worst_rel[i]), min(r.worst_cos, worst_cos[i])
+                r.findings += findings_of(check, i, sample_ids, g.name, src, labels, tol)
+    return results
+
+
+def _select(total: int, samples: int | None, seed: int) -> np.ndarray:
+    if samples is None or samples >= total:
+        return np.arange(total)
+    if samples < 1:
+        raise HsxError(f"--samples must be >= 1, got {samples}")
+    return np.sort(np.random.default_rng(seed).choice(total, size=samples, replace=False))
+
+
+def _load_reference(meta: dict, model: str | None, device: str, dtype: str, force: bool, trust_remote_code: bool):
+    from transformers import AutoConfig
+
+    from hsx.engine.loader import compute_dtype, resolve_device
+
+    recorded = meta.get("model") or {}
+    path = model or recorded.get("path")
+    if not path:
+        raise HsxError("the shards do not name their model (metadata model.path): give --model")
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise HsxError(f"cannot read the config of model {path!r}: {e}") from None
+    if not force and not config_matches(config, recorded):
+        raise HsxError(f"model {path!r} has a different config from the one the shards were made with "
+                       f"(config_sha256 {recorded.get('config_sha256')!r} recorded for {recorded.get('path')!r}); "
+                       "point --model at that model, or --force to compare anyway")
+    dev = resolve_device(device)
+    ref = Reference.load(path, dev, compute_dtype(dtype, dev), trust_remote_code)
+    for key, have in (("num_layers", ref.shape.num_layers), ("hidden_size", ref.shape.hidden_size)):
+        if recorded.get(key) is not None and int(recorded[key]) != have:
+            raise HsxError(f"model {path!r} has {key} {have}; the shards were made with {recorded[key]}")
+    return path, ref
+
+
+def recompute(
+    path,
+    *,
+    model: str | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    samples: int | None = None,
+    seed: int = 0,
+    batch_size: int = 8,
+    rtol: float | None = None,
+    force: bool = False,
+    trust_remote_code: bool = False,
+    progress: bool = True,
+) -> RecomputeReport:
+    """Re-run a teacher-forced forward of the shards' model over their tokens and check every stored row.
+
+    ``model`` points at another copy of the model (its config must match unless ``force``);
+    ``samples`` checks that many, chosen with ``seed``; batches follow storage order, so rows
+    swapped between neighbouring samples are caught with the sample they belong to.
+    """
+    import hsx
+
+    t0 = time.perf_counter()
+    ds = hsx.open(path)
+    meta = ds.metadata
+    groups = [LayerGroup.from_description(g) for g in meta["layers"]]
+    model_path, ref = _load_reference(meta, model, device, dtype, force, trust_remote_code)
+    compute = str(ref.dtype).removeprefix("torch.")
+    engine_dtype = (meta.get("engine") or {}).get("compute_dtype")
+    tol = tolerance_for(meta["dtype"], engine_dtype, compute, rtol)
+    report = RecomputeReport(str(path), model_path, str(ref.device), compute, meta["dtype"], engine_dtype,
+                             tol.describe(), len(ds), load_seconds=time.perf_counter() - t0)
+    chosen = _select(len(ds), samples, seed)
+    stats: dict = {}
+    bar = tqdm(total=len(chosen), unit="sample", disable=not progress, dynamic_ncols=True, desc="recompute")
+    for start in range(0, len(chosen), max(1, batch_size)):
+        batch = [ds[int(k)] for k in chosen[start:start + batch_size]]
+        results = check_samples(ref, batch, groups, tol, meta["mode"], stats)
+        report.samples += results
+        report.tokens += sum(len(s.input_ids) for s in batch)
+        bar.update(len(batch))
+        bar.set_postfix(bad=sum(1 for r in report.samples if r.findings), refresh=False)
+    bar.close()
+    report.sources = list(stats.values())
+    for s in report.sources:
+        s.finish(tol.margin)
+    report.rows = sum(r.rows for r in report.samples)
+    report.row_checks = sum(s.rows for s in report.sources)
+    report.seconds = time.perf_counter() - t0
+    return report

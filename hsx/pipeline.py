@@ -15,7 +15,7 @@ from tqdm.auto import tqdm
 
 from hsx.config import ExtractConfig
 from hsx.errors import HsxError, SampleError
-from hsx.shards.format import build_metadata
+from hsx.shards.format import build_metadata, config_sha256
 from hsx.shards.positions import sample_positions
 from hsx.shards.manifest import CONFIG, MANIFEST, Manifest, atomic_write_bytes, load_manifest, save_manifest
 from hsx.shards.writer import Record, ShardSink
@@ -117,11 +117,10 @@ def _sha(text: str | None) -> str | None:
 
 
 def _describe_model(path: str, model_config, shape) -> dict:
-    cfg_json = model_config.to_json_string(use_diff=False)
     return {
         "path": path,
         "model_type": getattr(model_config, "model_type", None),
-        "config_sha256": _sha(cfg_json),
+        "config_sha256": config_sha256(model_config),
         "revision": getattr(model_config, "_commit_hash", None),
         "num_layers": shape.num_layers,
         "hidden_size": shape.hidden_size,

@@ -17,13 +17,9 @@ from hsx.align import FINAL, ModelShape
 from hsx.errors import HsxError
 
 
-def config_sha256(config, name_or_path: str | None = None, dtype: str | None = None) -> str:
-    """The hash ``hsx extract`` records as ``model.config_sha256``.
-
-    That hash covers the whole config JSON, including ``_name_or_path`` and the dtype the model
-    was loaded in, so a local copy of the same model hashes differently; pass the recorded path
-    and dtype to ask "is this the config that extraction saw?".
-    """
+def _legacy_config_sha256(config, name_or_path: str | None = None, dtype: str | None = None) -> str:
+    """The hash format-1 shards record: the whole config JSON, path, load dtype and transformers version
+    included; pass the recorded path and dtype to ask "is this the config that extraction saw?"."""
     import copy
 
     c = copy.deepcopy(config)
@@ -35,12 +31,16 @@ def config_sha256(config, name_or_path: str | None = None, dtype: str | None = N
 
 
 def config_matches(config, recorded: dict) -> bool:
-    """Whether ``config`` is the one described by a shard's ``model`` metadata (path and dtype aside)."""
+    """Whether ``config`` is the one described by a shard's ``model`` metadata (path, dtype and library aside)."""
+    from hsx.shards.format import config_sha256
+
     want = recorded.get("config_sha256")
     if not want:
         return True  # nothing recorded to compare with (hand-written shards)
+    if config_sha256(config) == want:
+        return True
     path = recorded.get("path")
-    return any(config_sha256(config, path, d) == want for d in (None, "float32", "bfloat16", "float16"))
+    return any(_legacy_config_sha256(config, path, d) == want for d in (None, "float32", "bfloat16", "float16"))
 
 
 def neighbour_sources(sources: Sequence[int | str], num_layers: int) -> list[int | str]:

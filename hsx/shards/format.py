@@ -206,6 +206,22 @@ def _frombuffer(buf: pa.Buffer, dtype: torch.dtype, count: int, offset: int) -> 
         return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset)
 
 
+# Config keys that name where or how a model was loaded rather than what it is.
+_NOT_THE_MODEL = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "_commit_hash",
+                  "_attn_implementation_autoset", "attn_implementation", "_attn_implementation")
+
+
+def config_sha256(model_config) -> str:
+    """``model.config_sha256``: the config's JSON without the keys that change with the checkout or the
+    library (path, transformers version, load dtype, attention implementation), so shards made by
+    different engines, hosts or transformers releases from the same model record the same hash."""
+    import hashlib
+    import json
+
+    cfg = {k: v for k, v in model_config.to_dict().items() if k not in _NOT_THE_MODEL}
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def build_metadata(*, layers: list[dict], dtype: str, mode: str, model: dict | None = None,
                    tokenizer: dict | None = None, engine: dict | None = None, speculative: dict | None = None,
                    dataset: dict | None = None, keep: str = "all", **extra) -> dict:

@@ -261,3 +261,63 @@ def test_norm_that_does_not_feed_lm_head_is_refused():
     model.model.add_module("unused_norm", torch.nn.LayerNorm(model.config.hidden_size))
     with pytest.raises(HsxError, match=r"\(llama\): the engine's layer boundaries do not hold.*ran 0 times"):
         HFEngine(model, _groups(model))
+
+
+# ---- hsx extract on hybrid families ----------------------------------------------------------
+
+CHATS = [
+    {"id": "tides", "messages": [{"role": "user", "content": "How do tides work, and why are there two a day?"}]},
+    {"id": "bread", "messages": [{"role": "system", "content": "Answer in one line."},
+                                 {"role": "user", "content": "What is bread made of?"},
+                                 {"role": "assistant", "content": "Flour, water, salt and yeast."},
+                                 {"role": "user", "content": "And how long does it rise?"}]},
+    {"id": "river", "text": "The river ran past the old mill and under the stone bridge to the sea."},
+    {"id": "bees", "text": "Bees"},
+]
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+def test_hsx_extract_tree_decoding_past_the_window(family, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    import hsx
+    from hsx.cli import app
+    from hsx.demo.tokenizer import build_demo_tokenizer
+
+    tok = build_demo_tokenizer()
+    target = build(family, vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                   bos_token_id=tok.bos_token_id)
+    for name, model in (("target", target), ("draft", perturbed_copy(target, DRAFT_SCALE.get(family, 0.05), 1))):
+        model.save_pretrained(tmp_path / name)
+        tok.save_pretrained(tmp_path / name)
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in CHATS))
+    out = tmp_path / "out"
+    args = ["extract", "--model", str(tmp_path / "target"), "--draft-model", str(tmp_path / "draft"),
+            "--dataset", str(data), "--id-field", "id", "--output", str(out), "--layers", "final,eagle3,0,4",
+            "--dtype", "float32", "--model-dtype", "float32", "--spec-num-steps", "3", "--spec-topk", "4",
+            "--spec-num-draft-tokens", "8", "--max-new-tokens", "16", "--batch-size", "4", "--quiet"]
+    runner = CliRunner()
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert runner.invoke(app, ["verify", str(out)]).exit_code == 0
+    ds = hsx.open(out)
+    assert ds.sample_ids == [r["id"] for r in CHATS]
+    groups = parse_layers("final,eagle3,0,4", ModelShape.from_config(target.config))
+    checked = 0
+    for s in ds:
+        assert s.prompt_len > WINDOW or s.sample_id == "bees", (s.sample_id, s.prompt_len)
+        sample_rows = {g.name: s.hidden(g.name).float() for g in groups}
+        ids = s.input_ids.long()
+        ref = oracle_rows(target, ids, groups)
+        rows = ids.numel() - 1
+        for g in groups:
+            assert sample_rows[g.name].shape == (rows, g.width)
+            assert close(sample_rows[g.name], ref[g.name][:rows])[0], (s.sample_id, g.name)
+            checked += rows
+        assert s.input_ids.numel() > WINDOW * 3  # the completion runs well past the window
+    accepts = torch.cat([s.accept_lens for s in ds]).long()
+    assert bool((accepts == 1).any()) and bool((accepts > 1).any()), accepts
+    assert checked > 0

@@ -176,7 +176,9 @@ def check_layout(model, layout: Layout, what: str = "model") -> None:
         pairs += [(f"{layout.final_norm}'s input", rec.one("norm_in"), "the last block's output",
                    rec.one(f"block{num_layers - 1}")),
                   ("lm_head's input", rec.one("head_in"), f"{layout.final_norm}'s output", rec.one("norm_out"))]
-        problems = [f"{a} is not {b}" for a, x, b, y in pairs if x.shape != y.shape or not torch.equal(x, y)]
+        problems = [f"{a} is not {b}" for a, x, b, y in pairs
+                    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor)
+                    or x.shape != y.shape or not torch.equal(x, y)]
     if problems:
         raise HsxError(f"{what} ({name}): the engine's layer boundaries do not hold for this model: "
                        + "; ".join(problems))
@@ -192,7 +194,7 @@ class _Recorder:
         self.seen[key] = []
 
         def hook(module, args, out=None):
-            value = out if output else args[0]
+            value = out if output else (args[0] if args else None)  # None: the input came as a keyword
             self.seen[key].append(value[0] if isinstance(value, tuple) else value)
 
         return hook

@@ -94,10 +94,11 @@ class _Driven:
     @staticmethod
     def of(model, what: str) -> "_Driven":
         _check_transformers()
+        model = model.eval()  # the layout check compares tensors of one forward: no dropout
         plan = AttentionPlan.from_model(model, what)
         layout = find_layout(model, what)
         check_layout(model, layout, what)
-        return _Driven(model.eval(), plan, layout)
+        return _Driven(model, plan, layout)
 
 
 class _NormTap:

@@ -57,8 +57,9 @@ def smollm2(tmp_path_factory):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(path)
     draft_dir = tmp_path_factory.mktemp("smollm2-draft")
-    # a draft of the target's own first 8 blocks, final norm and (tied) head: no training needed
-    make_layerskip_draft(model, 8).save_pretrained(draft_dir)
+    # a draft of the target's own first 22 blocks, final norm and (tied) head: no training needed, and
+    # it accepts 1-3 tokens per step on these chats (8 blocks almost never got past the first)
+    make_layerskip_draft(model, 22).save_pretrained(draft_dir)
     tok.save_pretrained(draft_dir)
     return {"path": str(path), "draft": str(draft_dir), "model": model, "tok": tok}
 
@@ -113,7 +114,7 @@ def test_speculative_tree_extract_equals_teacher_forced_forward(smollm2, tmp_pat
     assert answer.finish_reason == "stop"
     assert "Paris" in tok.decode(answer.input_ids[answer.prompt_len:])
     accepts = torch.cat([s.accept_lens for s in ds]).long()
-    assert bool((accepts > 1).any()), accepts  # the draft is right often enough to matter
+    assert bool((accepts == 1).any()) and bool((accepts > 1).any()), accepts  # drafts rejected and accepted
 
 
 def test_prefill_loss_mask_is_the_assistant_turns(smollm2, tmp_path):

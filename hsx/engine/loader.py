@@ -44,8 +44,9 @@ class HFRunner:
     name = "hf"
 
     def __init__(self, cfg: ExtractConfig):
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
+        from hsx.engine.families import load_causal_lm
         from hsx.engine.hf import HFEngine, SamplingSettings, SpecSettings
 
         self.cfg = cfg
@@ -54,10 +55,10 @@ class HFRunner:
         remote = cfg.trust_remote_code
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=remote)
-            model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=self.dtype, trust_remote_code=remote)
+            model = load_causal_lm(cfg.model, self.dtype, remote)
             draft = None
             if cfg.draft_model:
-                draft = AutoModelForCausalLM.from_pretrained(cfg.draft_model, dtype=self.dtype, trust_remote_code=remote)
+                draft = load_causal_lm(cfg.draft_model, self.dtype, remote)
         except (OSError, ValueError) as e:
             raise HsxError(f"cannot load model {cfg.model!r}"
                            + (f" / draft {cfg.draft_model!r}" if cfg.draft_model else "") + f": {e}") from None

@@ -1,0 +1,220 @@
+"""What the transformers engine needs to know about a model family, read from the model itself.
+
+Two things differ between the families transformers ships and both decide whether rows are right:
+
+* **Attention visibility per layer.** Full-attention layers see every earlier token of their row;
+  sliding-window layers (Mistral, Phi-3, Gemma 2/3, GPT-OSS, ...) see only keys whose position
+  is within ``window - 1`` of the query's. The engine passes its own 4-D masks, which transformers
+  uses as given, so the window must be in those masks: :class:`AttentionPlan` says which window
+  each layer type has and whether the model takes one mask or one per layer type.
+* **Where the final norm is.** ``model.norm`` (Llama, Qwen, Gemma, GPT-OSS),
+  ``transformer.ln_f`` (GPT-2), ``gpt_neox.final_layer_norm`` (GPT-NeoX), ... :func:`find_layout`
+  finds the decoder blocks and the final norm from the module tree, and :func:`check_layout`
+  proves the finding on one short forward before the engine trusts it.
+
+Anything these rules do not cover is refused before the first real forward, naming the model
+type and the reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hsx.errors import HsxError
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+# attention implementations that add the engine's float 4-D mask to the scores as given
+MASKED_IMPLEMENTATIONS = ("eager", "sdpa")
+
+
+def model_type(model) -> str:
+    return str(getattr(model.config, "model_type", type(model).__name__))
+
+
+def _text_config(model):
+    return model.config.get_text_config(decoder=True)
+
+
+# ---- attention -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Visibility rules of one model: a window per layer type (``None`` = full attention).
+
+    ``per_type`` models (their config lists ``layer_types``) take a dict ``{layer type: mask}``;
+    the others take a single mask used by every layer, so all their layers share one window.
+    """
+
+    windows: dict  # layer type -> window (keys a query may see: q_pos - k_pos < window) or None
+    per_type: bool
+
+    @staticmethod
+    def from_model(model, what: str) -> "AttentionPlan":
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        name = model_type(model)
+        config = _text_config(model)
+        impl = getattr(model.config, "_attn_implementation", None)
+        if impl not in (None, *MASKED_IMPLEMENTATIONS):
+            raise HsxError(f"{what} ({name}): attention implementation {impl!r} ignores the engine's 4-D float "
+                           f"masks; load it with 'sdpa' or 'eager'")
+        if getattr(config, "use_bidirectional_attention", False):
+            raise HsxError(f"{what} ({name}): use_bidirectional_attention=True is not causal decoding; "
+                           f"the transformers engine supports causal attention only")
+        # transformers' own reading of the config: it builds its caches from the same list
+        types, kwargs = get_layer_types_and_kwargs(config)
+        windows: dict = {}
+        for i, (kind, kw) in enumerate(zip(types, kwargs)):
+            if kind not in (FULL, SLIDING):
+                raise HsxError(f"{what} ({name}): layer {i} is of type {kind!r}; the transformers engine implements "
+                               f"{FULL!r} and {SLIDING!r} layers only")
+            window = None if kind == FULL else int(kw["sliding_window"])
+            if window is not None and window < 1:
+                raise HsxError(f"{what} ({name}): layer {i} has sliding_window {window}, expected >= 1")
+            if windows.setdefault(kind, window) != window:
+                raise HsxError(f"{what} ({name}): {kind!r} layers have different windows "
+                               f"({windows[kind]} and {window}); one window per layer type is supported")
+        per_type = getattr(config, "layer_types", None) is not None
+        if not per_type and len(windows) > 1:
+            raise HsxError(f"{what} ({name}): full and sliding layers without a layer_types list: the model takes "
+                           f"one mask for all layers, which cannot express both")
+        return AttentionPlan(windows, per_type)
+
+    def masks(self, visible: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype):
+        """The ``attention_mask`` argument for ``visible [B, q, K]``, queries at ``q_pos [B, q]`` and keys
+        at ``k_pos [B, K]``: one float mask ``[B, 1, q, K]``, or a dict of them keyed by layer type."""
+        out = {}
+        for kind, window in self.windows.items():
+            see = visible
+            if window is not None:
+                see = see & ((q_pos[:, :, None] - k_pos[:, None, :]) < window)  # [B, q, K]
+            out[kind] = _float_mask(see, dtype)
+        return out if self.per_type else next(iter(out.values()))
+
+
+def _float_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # float mask with the dtype's minimum: eager attention adds a bool mask to the scores as 0/1
+    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return mask.masked_fill(~visible, torch.finfo(dtype).min)[:, None]  # [B, 1, q, K]
+
+
+# ---- module layout ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Layout:
+    """The decoder blocks and the final norm of a causal LM, by module path."""
+
+    blocks: str  # e.g. "model.layers", "transformer.h"
+    final_norm: str  # e.g. "model.norm", "transformer.ln_f"
+
+    def norm(self, model) -> torch.nn.Module:
+        return model.get_submodule(self.final_norm)
+
+
+def _is_norm(module: torch.nn.Module) -> bool:
+    return isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm)) or type(module).__name__.endswith("Norm")
+
+
+def find_layout(model, what: str = "model") -> Layout:
+    """Blocks: the one ``ModuleList`` of ``num_hidden_layers`` modules. Final norm: the last norm module
+    registered outside the blocks, after them (the one that feeds lm_head; :func:`check_layout` proves it)."""
+    name = model_type(model)
+    num_layers = int(_text_config(model).num_hidden_layers)
+    named = list(model.named_modules())
+    lists = [n for n, m in named if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers]
+    if len(lists) != 1:
+        raise HsxError(f"{what} ({name}): expected one list of {num_layers} decoder blocks, found {lists or 'none'}")
+    blocks = lists[0]
+    after = False
+    norms = []
+    for n, m in named:
+        if n == blocks:
+            after = True
+        elif after and not n.startswith(blocks + ".") and _is_norm(m):
+            norms.append(n)
+    if not norms:
+        raise HsxError(f"{what} ({name}): no normalisation module after the decoder blocks {blocks!r}; boundary L "
+                       f"(the final norm's input) and 'final' cannot be captured")
+    return Layout(blocks, norms[-1])
+
+
+def check_layout(model, layout: Layout, what: str = "model") -> None:
+    """One 4-token forward proving the layout: ``hidden_states[0]`` is the first block's input,
+    ``hidden_states[b]`` is block b-1's output (b < L), the final norm runs once on the last block's
+    output, and its output is exactly lm_head's input."""
+    name = model_type(model)
+    blocks = model.get_submodule(layout.blocks)
+    head = model.get_output_embeddings()
+    if head is None:
+        raise HsxError(f"{what} ({name}): no output embeddings (lm_head); not a causal LM the engine can drive")
+    rec = _Recorder()
+    hooks = [blocks[0].register_forward_pre_hook(rec.grab("first_in", output=False))]
+    hooks += [b.register_forward_hook(rec.grab(f"block{i}")) for i, b in enumerate(blocks)]
+    hooks += [layout.norm(model).register_forward_hook(rec.grab("norm_in", output=False)),
+              layout.norm(model).register_forward_hook(rec.grab("norm_out")),
+              head.register_forward_pre_hook(rec.grab("head_in", output=False))]
+    try:
+        ids = torch.arange(4, device=head.weight.device)[None] % int(_text_config(model).vocab_size)
+        with torch.inference_mode():
+            hs = model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+    finally:
+        for h in hooks:
+            h.remove()
+    num_layers = len(blocks)
+    labels = {"first_in": "the first block", "norm_in": layout.final_norm, "norm_out": layout.final_norm,
+              "head_in": "lm_head"}
+    ran = {labels.get(k, f"block {k.removeprefix('block')}"): len(v) for k, v in rec.seen.items()}
+    problems = [f"{k} ran {n} times, expected once" for k, n in ran.items() if n != 1]
+    if hs is None or len(hs) != num_layers + 1:
+        problems.append(f"{None if hs is None else len(hs)} hidden-state entries, expected {num_layers + 1}")
+    if not problems:
+        pairs = [("hidden_states[0]", hs[0], "the first block's input", rec.one("first_in"))]
+        pairs += [(f"hidden_states[{b}]", hs[b], f"block {b - 1}'s output", rec.one(f"block{b - 1}"))
+                  for b in range(1, num_layers)]
+        pairs += [(f"{layout.final_norm}'s input", rec.one("norm_in"), "the last block's output",
+                   rec.one(f"block{num_layers - 1}")),
+                  ("lm_head's input", rec.one("head_in"), f"{layout.final_norm}'s output", rec.one("norm_out"))]
+        problems = [f"{a} is not {b}" for a, x, b, y in pairs
+                    if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor)
+                    or x.shape != y.shape or not torch.equal(x, y)]
+    if problems:
+        raise HsxError(f"{what} ({name}): the engine's layer boundaries do not hold for this model: "
+                       + "; ".join(problems))
+
+
+class _Recorder:
+    """Forward (pre-)hooks that keep the first tensor of what a module received or returned."""
+
+    def __init__(self):
+        self.seen: dict[str, list] = {}
+
+    def grab(self, key: str, output: bool = True):
+        self.seen[key] = []
+
+        def hook(module, args, out=None):
+            value = out if output else (args[0] if args else None)  # None: the input came as a keyword
+            self.seen[key].append(value[0] if isinstance(value, tuple) else value)
+
+        return hook
+
+    def one(self, key: str) -> torch.Tensor:
+        return self.seen[key][0]
+
+
+# ---- loading ---------------------------------------------------------------------------------
+
+def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool = False):
+    """``AutoModelForCausalLM.from_pretrained`` with an attention implementation that takes the engine's
+    masks: sdpa where the family supports it, else eager (Gemma 2 and GPT-OSS: soft-capping and sinks)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:  # remote code: let transformers choose, the engine refuses what it cannot mask
+        cls = None
+    impl = None if cls is None else ("sdpa" if getattr(cls, "_supports_sdpa", False) else "eager")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                attn_implementation=impl)

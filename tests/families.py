@@ -1,0 +1,82 @@
+"""Tiny random models of every family the transformers engine supports, built locally in fp32.
+
+Each config is the family's own, shrunk: 4 blocks, hidden 64, vocab 256, and for windowed families
+a window of ``WINDOW`` tokens, far shorter than the prompts + completions the tests run, so every
+sliding layer really drops keys. Mixed families alternate sliding and full layers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import transformers as T
+
+NUM_LAYERS, HIDDEN, VOCAB, WINDOW = 4, 64, 256, 5
+HYBRID = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
+ALTERNATING = ["sliding_attention", "full_attention"] * (NUM_LAYERS // 2)
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=NUM_LAYERS,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+               initializer_range=0.3)  # wide weights: at 0.02 several families decode one token over and over
+
+# family -> (config class, model class, config keywords). Keys double as test ids.
+FAMILIES = {
+    "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
+    "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, {}),
+    "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, {"head_dim": 16}),
+    "mistral": (T.MistralConfig, T.MistralForCausalLM, {"sliding_window": WINDOW, "head_dim": 16}),
+    "phi3": (T.Phi3Config, T.Phi3ForCausalLM, {"sliding_window": WINDOW, "pad_token_id": 0}),
+    "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM,
+               {"sliding_window": WINDOW, "layer_types": HYBRID, "head_dim": 16, "query_pre_attn_scalar": 16,
+                "attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}),
+    "gemma3": (T.Gemma3TextConfig, T.Gemma3ForCausalLM,
+               {"sliding_window": WINDOW, "layer_types": HYBRID, "head_dim": 16, "query_pre_attn_scalar": 16}),
+    "gpt_oss": (T.GptOssConfig, T.GptOssForCausalLM,
+                {"sliding_window": WINDOW, "layer_types": ALTERNATING, "head_dim": 16, "num_local_experts": 4,
+                 "num_experts_per_tok": 2}),
+    "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM,
+                  {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
+    "gpt2": (T.GPT2Config, T.GPT2LMHeadModel,
+             {"n_layer": NUM_LAYERS, "n_embd": HIDDEN, "n_head": 4, "n_positions": 512, "vocab_size": VOCAB,
+              "initializer_range": 0.3, "tie_word_embeddings": False}),
+    "gpt_neox": (T.GPTNeoXConfig, T.GPTNeoXForCausalLM, {}),
+}
+# how far a draft is moved from its target (demo.models.perturbed_copy) so that the test prompts
+# see drafts accepted and rejected, chains and trees alike (measured on these configs and seeds)
+DRAFT_SCALE = {"gemma2": 0.1, "gemma3": 0.2, "gpt2": 0.2, "gpt_neox": 0.1}
+# families whose attention has a window shorter than the test sequences
+WINDOWED = ("mistral", "phi3", "gemma2", "gemma3", "gpt_oss")
+
+
+def config(family: str, **kw):
+    config_cls, _, extra = FAMILIES[family]
+    args = {} if family == "gpt2" else dict(_COMMON)
+    args.update(extra)
+    args.update(kw)
+    return config_cls(**args)
+
+
+def build(family: str, seed: int = 0, **kw):
+    """A random fp32 model of ``family`` in eval mode; the global RNG is left as it was."""
+    _, model_cls, _ = FAMILIES[family]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config(family, **kw))
+    _spread_small_parameters(model, seed)
+    return model.float().eval()
+
+
+def _spread_small_parameters(model, seed: int) -> None:
+    """Some families start parameters at exactly 0 or 1 (GPT-OSS sinks and router biases, norm weights):
+    move them so that the paths they control are exercised, not multiplied away."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and ("sinks" in name or "norm" in name or "bias" in name):
+                p.add_(0.5 * torch.randn(p.shape, generator=gen))
+
+
+@functools.cache
+def cached(family: str, seed: int = 0):
+    return build(family, seed)

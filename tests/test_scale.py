@@ -158,6 +158,7 @@ def test_hsx_and_its_cli_import_without_ray():
     assert "pip install 'hsx[ray]'" in out.stdout
 
 
+@pytest.mark.slow
 def test_two_workers_equal_one_process_and_resume(setup, reference, local_ray, tmp_path):
     out = tmp_path / "ray"
     summary = extract(_config(setup, out, **RAY), progress=False)
@@ -172,6 +173,7 @@ def test_two_workers_equal_one_process_and_resume(setup, reference, local_ray, t
         extract(_config(setup, out, layers="final", **RAY), progress=False)
 
 
+@pytest.mark.slow
 def test_worker_killed_mid_unit_is_retried_elsewhere(setup, reference, local_ray, tmp_path):
     out = tmp_path / "killed-worker"
     result: dict = {}
@@ -200,6 +202,7 @@ def test_worker_killed_mid_unit_is_retried_elsewhere(setup, reference, local_ray
     assert_same_output(reference, out)
 
 
+@pytest.mark.slow
 def test_driver_killed_then_resumed(setup, reference, local_ray, tmp_path, caplog):
     out = tmp_path / "killed-driver"
     args = ["extract", "--model", setup["model"], "--dataset", setup["data"], "--id-field", "id", "-o", str(out),
@@ -235,3 +238,31 @@ def test_driver_killed_then_resumed(setup, reference, local_ray, tmp_path, caplo
     assert "resumed:" in resumed.output
     assert not (out / ".hsx.lock").exists()
     assert_same_output(reference, out)
+
+
+def test_driver_refuses_a_shard_it_cannot_see_or_a_second_commit(tmp_path):
+    from hsx.scale.ray_runner import Unit, _commit
+    from hsx.shards.manifest import Manifest
+
+    (tmp_path / "shard-000001-aaaa-00.parquet").write_bytes(b"x" * 10)
+    entry = {"file": "shard-000001-aaaa-00.parquet", "samples": 1, "rows": 3, "tokens": 4, "bytes": 10,
+             "xxh3_128": "0", "sample_ids": ["s1"]}
+    unit = Unit(1, [1], ["s1"])
+    m = Manifest(metadata={})
+    with pytest.raises(HsxError, match="not visible here"):
+        _commit(tmp_path, m, unit, {"host": "h", "shards": [{**entry, "file": "shard-gone.parquet"}], "errors": []}, set())
+    with pytest.raises(HsxError, match="worker on host h wrote 11"):
+        _commit(tmp_path, m, unit, {"host": "h", "shards": [{**entry, "bytes": 11}], "errors": []}, set())
+    done: set[str] = set()
+    _commit(tmp_path, m, unit, {"host": "h", "shards": [entry], "errors": []}, done)
+    assert [s.file for s in load_manifest(tmp_path).shards] == [entry["file"]] and done == {"s1"}
+    with pytest.raises(HsxError, match="refusing to commit twice"):
+        _commit(tmp_path, m, unit, {"host": "h", "shards": [entry], "errors": []}, done)
+    assert len(load_manifest(tmp_path).shards) == 1
+
+
+@pytest.mark.slow
+def test_more_workers_than_the_cluster_holds_is_refused(setup, local_ray, tmp_path):
+    with pytest.raises(HsxError, match="need 8 CPUs; the Ray cluster has 2"):
+        extract(_config(setup, tmp_path / "o", **{**RAY, "num_workers": 8, "cpus_per_worker": 1.0}), progress=False)
+    assert not (tmp_path / "o").exists()

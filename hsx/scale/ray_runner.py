@@ -79,8 +79,12 @@ def _resources(cfg: ExtractConfig) -> tuple[int, float, float]:
         gpus = float(cfg.engine_args.get("tp_size", 1)) if total.get("GPU", 0) and cfg.device != "cpu" else 0.0
     workers = cfg.num_workers
     if workers is None:
-        workers = int(total.get("GPU", 0) // gpus) if gpus else int(total.get("CPU", 1) // cfg.cpus_per_worker)
-    return max(1, workers), cfg.cpus_per_worker, gpus
+        workers = max(1, int(total.get("GPU", 0) // gpus) if gpus else int(total.get("CPU", 1) // cfg.cpus_per_worker))
+    for name, each in (("CPU", cfg.cpus_per_worker), ("GPU", gpus)):
+        if workers * each > total.get(name, 0) + 1e-9:  # Ray would wait for them forever
+            raise HsxError(f"{workers} workers x {each:g} {name} need {workers * each:g} {name}s; the Ray cluster "
+                           f"has {total.get(name, 0):g}. Lower --num-workers or --{name.lower()}s-per-worker, or add nodes")
+    return workers, cfg.cpus_per_worker, gpus
 
 
 class _Pool:
@@ -119,9 +123,10 @@ def extract_ray(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool =
     cfg.validate()
     out = Path(cfg.output)
     with OutputLock(out):
+        t0 = time.perf_counter()  # the summary's seconds include Ray's start and the engines'
         started = _connect(cfg)
         try:
-            return _drive(cfg, out, overwrite, progress)
+            return _drive(cfg, out, overwrite, progress, t0)
         finally:
             if started:
                 import ray
@@ -129,20 +134,19 @@ def extract_ray(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool =
                 ray.shutdown()
 
 
-def _drive(cfg: ExtractConfig, out: Path, overwrite: bool, progress: bool) -> RunSummary:
+def _drive(cfg: ExtractConfig, out: Path, overwrite: bool, progress: bool, t0: float) -> RunSummary:
     import ray
-    from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
+    from ray.exceptions import RayActorError
 
     from hsx.data.load import describe, load_rows
 
     resume = _prepare_output(out, cfg.fingerprint(), overwrite)
-    t0 = time.perf_counter()
     rows_all = load_rows(cfg.dataset, cfg.split)
     dataset_meta = describe(rows_all, cfg.dataset, cfg.split)
     rows = rows_all.select(range(min(cfg.limit, len(rows_all)))) if cfg.limit is not None else rows_all
     if cfg.id_field is not None and cfg.id_field not in rows.column_names:
         raise HsxError(f"--id-field {cfg.id_field!r} is not a column of the dataset; its columns are {rows.column_names}")
-    id_values = rows.data.column(cfg.id_field).to_pylist() if cfg.id_field else None
+    id_values = list(rows[cfg.id_field]) if cfg.id_field else None
     units = plan_units(cfg, id_values, len(rows))
 
     n, cpus, gpus = _resources(cfg)
@@ -169,8 +173,7 @@ def _drive(cfg: ExtractConfig, out: Path, overwrite: bool, progress: bool) -> Ru
         if resume is None:
             save_manifest(out, manifest)
         summary = RunSummary(str(out), workers=n)
-        _schedule(cfg, out, rows, units, pool, manifest, summary, progress, t0,
-                  (ActorDiedError, RayActorError, RayTaskError))
+        _schedule(out, rows, units, pool, manifest, summary, progress, t0)
     finally:
         for a in pool.actors:
             ray.kill(a, no_restart=True)
@@ -181,10 +184,10 @@ def _drive(cfg: ExtractConfig, out: Path, overwrite: bool, progress: bool) -> Ru
     return summary
 
 
-def _schedule(cfg, out, rows, units, pool: _Pool, manifest: Manifest, summary: RunSummary, progress, t0, errors) -> None:
+def _schedule(out: Path, rows, units: list[Unit], pool: _Pool, manifest: Manifest, summary: RunSummary,
+              progress: bool, t0: float) -> None:
     import ray
-
-    ActorDiedError, RayActorError, RayTaskError = errors
+    from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
     done = manifest.done_ids()
     queue: deque[Unit] = deque()
     for u in units:

@@ -174,6 +174,12 @@ def extract(
     mem_fraction: Annotated[Optional[float], _opt("--engine sglang: GPU memory fraction for weights and KV cache (mem_fraction_static).")] = None,
     attention_backend: Annotated[Optional[str], _opt("--engine sglang: attention backend (attention_backend).")] = None,
     engine_arg: Annotated[Optional[list[str]], _opt("--engine sglang: any other sglang.Engine argument, KEY=VALUE (VALUE parsed as JSON when it can be); repeatable.")] = None,
+    ray: Annotated[Optional[bool], _opt("Run one engine per Ray worker (needs hsx[ray]); the output must be on a filesystem every node shares.", "--ray")] = None,
+    ray_address: Annotated[Optional[str], _opt("--ray: the cluster to join (auto or HOST:PORT; local: a new local instance); default RAY_ADDRESS, else the cluster `ray start` made on this machine, else a new local one.")] = None,
+    num_workers: Annotated[Optional[int], _opt("--ray: workers, one engine each (default: the cluster's GPUs / --gpus-per-worker).")] = None,
+    cpus_per_worker: Annotated[Optional[float], _opt("--ray: CPUs Ray reserves per worker; fractions allowed (default 1).")] = None,
+    gpus_per_worker: Annotated[Optional[float], _opt("--ray: GPUs per worker (default: --tp-size, or 1, on a cluster with GPUs; else 0).")] = None,
+    unit_size: Annotated[Optional[int], _opt("--ray: source rows per work unit, a multiple of --batch-size (default 32 batches).")] = None,
     config: Annotated[Optional[Path], _opt("A TOML or JSON file with any of these options (command-line options win).",
                                            is_eager=True, callback=_load_required)] = None,
     overwrite: Annotated[bool, _opt("Replace an existing output written with a different configuration.")] = False,
@@ -198,6 +204,8 @@ def extract(
     base = ExtractConfig.from_file(config) if config else ExtractConfig()
     if engine_args:
         overrides["engine_args"] = {**base.engine_args, **engine_args}
+    if ray_address is not None:
+        overrides["ray"] = True
     cfg = base.merged(overrides)
     summary = run_extract(cfg, overwrite=overwrite, progress=not quiet)
     typer.echo(format_run(summary))

@@ -56,9 +56,18 @@ class ExtractConfig:
     max_shard_samples: int = 100_000
     # engine pass-through (sglang.Engine keyword arguments)
     engine_args: dict[str, Any] = field(default_factory=dict)
+    # many engines on Ray (hsx.scale)
+    ray: bool = False
+    ray_address: str | None = None  # None: RAY_ADDRESS, else the cluster `ray start` made on this machine, else a new local one
+    num_workers: int | None = None  # default: the cluster's GPUs / gpus_per_worker (CPUs / cpus_per_worker without GPUs)
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float | None = None  # default: tp_size (1) where the cluster has GPUs and device is not cpu, else 0
+    unit_size: int | None = None  # source rows per work unit, a multiple of batch_size; default 32 batches
 
     # Fields that change neither which samples exist nor their values: a resumed run may differ in them.
-    _LAYOUT_ONLY = ("output", "limit", "batch_size", "max_shard_mb", "max_shard_samples", "compression")
+    # (batch_size is among them because batches are windows of source rows: see pipeline._windows.)
+    _LAYOUT_ONLY = ("output", "limit", "batch_size", "max_shard_mb", "max_shard_samples", "compression",
+                    "ray", "ray_address", "num_workers", "cpus_per_worker", "gpus_per_worker", "unit_size")
 
     def validate(self) -> "ExtractConfig":
         if not self.model:
@@ -82,7 +91,27 @@ class ExtractConfig:
             raise HsxError(f"engine_args {sorted(self.engine_args)} are sglang.Engine arguments; the hf engine takes none")
         if self.spec_algorithm is not None and self.engine != "sglang":
             raise HsxError("--spec-algorithm names SGLang's algorithm (--engine sglang); the hf engine runs --draft-model")
+        if self.ray:
+            self._validate_ray()
+        elif self.ray_address is not None or self.num_workers is not None:
+            raise HsxError("--ray-address and --num-workers go with --ray")
         return self
+
+    def _validate_ray(self) -> None:
+        if self.num_workers is not None and self.num_workers < 1:
+            raise HsxError(f"--num-workers must be >= 1, got {self.num_workers}")
+        if self.cpus_per_worker <= 0 or (self.gpus_per_worker is not None and self.gpus_per_worker < 0):
+            raise HsxError("--cpus-per-worker must be > 0 and --gpus-per-worker >= 0")
+        if self.unit_size is not None and (self.unit_size < 1 or self.unit_size % self.batch_size):
+            raise HsxError(f"--unit-size must be a multiple of --batch-size ({self.batch_size}), got {self.unit_size}: "
+                           "batches are windows of batch-size rows and a unit holds whole windows")
+        if self.device.startswith("cuda:"):
+            raise HsxError(f"--device {self.device} with --ray: each worker gets its own GPUs from Ray "
+                           "(--gpus-per-worker); use --device auto or cuda")
+
+    @property
+    def rows_per_unit(self) -> int:
+        return self.unit_size or 32 * self.batch_size
 
     @property
     def speculative(self) -> bool:

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from hsx.config import ExtractConfig
 from hsx.errors import HsxError, SampleError
 from hsx.shards.format import build_metadata, config_sha256
+from hsx.shards.lock import LOCK, OutputLock
 from hsx.shards.positions import sample_positions
 from hsx.shards.manifest import CONFIG, MANIFEST, Manifest, atomic_write_bytes, load_manifest, save_manifest
 from hsx.shards.writer import Record, ShardSink
@@ -34,6 +35,8 @@ class RunSummary:
     accepted: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    workers: int = 0  # Ray workers (0: this process ran the engine)
+    retried: int = 0  # units sent to another worker after theirs was lost
 
     def count(self, sample, rows: int) -> None:
         completion = sample.input_ids.numel() - sample.prompt_len
@@ -103,7 +106,7 @@ def _prepare_output(out: Path, cfg: ExtractConfig, overwrite: bool) -> Manifest 
         if not overwrite and m.shards:
             raise _config_refusal(out, m, cfg)
         overwrite = True
-    elif out.exists() and any(out.iterdir()) and not overwrite:
+    elif out.exists() and any(p.name != LOCK for p in out.iterdir()) and not overwrite:
         raise HsxError(f"{out} exists, is not empty and has no {MANIFEST}; refusing to write into it (use --overwrite)")
     if overwrite and out.exists():
         for p in out.iterdir():
@@ -139,13 +142,20 @@ def _describe_tokenizer(cfg: ExtractConfig, tokenizer, chat_template: str | None
     }
 
 
-def _batches(items: Iterator, size: int) -> Iterator[list]:
-    batch = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
+def _windows(prompts: Iterator, size: int) -> Iterator[list]:
+    """Batches of the prompts whose source rows share a window ``[k * size, (k + 1) * size)``.
+
+    A batch never depends on which other rows were skipped (done, bad input) or on where a
+    work unit starts, so the engine sees the same batch for a sample in a fresh run, a resumed
+    one and a Ray worker's unit: batch composition changes the bits of the rows.
+    """
+    batch, window = [], None
+    for p in prompts:
+        if batch and p.source_index // size != window:
             yield batch
             batch = []
+        batch.append(p)
+        window = p.source_index // size
     if batch:
         yield batch
 
@@ -168,9 +178,10 @@ def _run_metadata(cfg: ExtractConfig, engine, chat_template: str | None, dataset
 
 
 def _pending_prompts(rows, renderer, done: set[str], sink: ShardSink, summary: RunSummary, bar) -> Iterator:
-    """Rendered prompts still to run; bad rows become error records, finished ones are skipped."""
+    """Rendered prompts still to run from ``(index, row)`` pairs; bad rows become error records,
+    finished ones are skipped."""
     seen: set[str] = set()
-    for index, row in enumerate(rows):
+    for index, row in rows:
         try:
             p = renderer.render(row, index)
         except SampleError as e:
@@ -207,14 +218,65 @@ def _record(prompt, sample, mode: str, keep: str) -> Record:
                   sample.finish_reason, hidden, sample.accept_lens, sample.verify_steps)
 
 
-def extract(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool = True) -> RunSummary:
-    """Run an extraction described by ``cfg``; resumes an interrupted run into the same output."""
-    from hsx.data.load import describe, load_rows
+def make_renderer(cfg: ExtractConfig, engine, column_names) -> tuple:
+    """The renderer for ``cfg`` over a dataset with these columns, and the chat template text (or None)."""
     from hsx.data.render import Renderer
+
+    chat_template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
+    renderer = Renderer(
+        engine.tokenizer, cfg.mode, text_field=cfg.text_field, id_field=cfg.id_field,
+        chat_template=chat_template, max_length=cfg.max_length or engine.context_length, split=cfg.split,
+    )
+    renderer.detect(column_names)
+    return renderer, chat_template
+
+
+def check_resume(out: Path, resume: Manifest | None, metadata: dict) -> Manifest | None:
+    """The manifest to resume from, refusing one whose run had other metadata; one that committed
+    nothing yet holds nothing to lose, so the run starts afresh instead."""
+    if resume is None or resume.metadata == metadata:
+        return resume
+    if resume.shards:
+        differs = "; ".join(differences(resume.metadata, metadata)[:8])
+        raise HsxError(f"{out}: the model, tokenizer, dataset or engine differ from the run being resumed "
+                       f"({differs}); use a new --output or --overwrite")
+    return None
+
+
+def run_prompts(engine, prompts: Iterator, sink: ShardSink, summary: RunSummary, cfg: ExtractConfig, after_batch) -> None:
+    """Drive the engine over ``prompts`` in row windows of ``cfg.batch_size``; every result goes to ``sink``."""
+    for batch in _windows(prompts, cfg.batch_size):
+        for prompt, sample in zip(batch, engine.run(batch)):
+            if isinstance(sample, SampleError):  # an engine may give up on one sample and go on
+                sink.add_error(prompt.sample_id, prompt.source_index, sample.reason)
+                summary.errors += 1
+                continue
+            record = _record(prompt, sample, cfg.mode, cfg.keep)
+            sink.add(record)
+            summary.count(sample, record.num_rows)
+        after_batch(len(batch))
+
+
+def extract(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool = True) -> RunSummary:
+    """Run an extraction described by ``cfg``; resumes an interrupted run into the same output.
+
+    The output directory is locked for the whole run (:class:`~hsx.shards.lock.OutputLock`).
+    With ``cfg.ray`` the work is spread over Ray workers (:mod:`hsx.scale`).
+    """
+    cfg.validate()
+    if cfg.ray:
+        from hsx.scale import extract_ray
+
+        return extract_ray(cfg, overwrite=overwrite, progress=progress)
+    out = Path(cfg.output)
+    with OutputLock(out):
+        return _extract_here(cfg, out, overwrite, progress)
+
+
+def _extract_here(cfg: ExtractConfig, out: Path, overwrite: bool, progress: bool) -> RunSummary:
+    from hsx.data.load import describe, load_rows
     from hsx.engine.loader import build_engine
 
-    cfg.validate()
-    out = Path(cfg.output)
     resume = _prepare_output(out, cfg, overwrite)
     t0 = time.perf_counter()
 
@@ -223,20 +285,9 @@ def extract(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool = Tru
     rows = rows_all.select(range(min(cfg.limit, len(rows_all)))) if cfg.limit is not None else rows_all
 
     engine = build_engine(cfg)
-    chat_template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
-    renderer = Renderer(
-        engine.tokenizer, cfg.mode, text_field=cfg.text_field, id_field=cfg.id_field,
-        chat_template=chat_template, max_length=cfg.max_length or engine.context_length, split=cfg.split,
-    )
-    renderer.detect(rows.column_names)
-
+    renderer, chat_template = make_renderer(cfg, engine, rows.column_names)
     metadata = _run_metadata(cfg, engine, chat_template, dataset_meta)
-    if resume is not None and resume.metadata != metadata:
-        if resume.shards:
-            differs = "; ".join(differences(resume.metadata, metadata)[:8])
-            raise HsxError(f"{out}: the model, tokenizer, dataset or engine differ from the run being resumed "
-                           f"({differs}); use a new --output or --overwrite")
-        resume = None  # nothing committed yet: start afresh
+    resume = check_resume(out, resume, metadata)
     manifest = resume or Manifest(metadata=metadata, config_hash=cfg.fingerprint())
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out / CONFIG, json.dumps(cfg.to_dict(), indent=1).encode())
@@ -247,19 +298,14 @@ def extract(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool = Tru
     sink = ShardSink(out, manifest, compression=cfg.compression, max_shard_bytes=cfg.max_shard_mb << 20,
                      max_shard_samples=cfg.max_shard_samples)
     bar = tqdm(total=len(rows), unit="sample", disable=not progress, dynamic_ncols=True)
-    prompts = _pending_prompts(rows, renderer, manifest.done_ids(), sink, summary, bar)
+    prompts = _pending_prompts(enumerate(rows), renderer, manifest.done_ids(), sink, summary, bar)
+
+    def after_batch(n: int) -> None:
+        bar.update(n)
+        bar.set_postfix(tok_s=f"{summary.tokens / (time.perf_counter() - t0):,.0f}", errors=summary.errors, refresh=False)
+
     try:
-        for batch in _batches(prompts, cfg.batch_size):
-            for prompt, sample in zip(batch, engine.run(batch)):
-                if isinstance(sample, SampleError):  # an engine may give up on one sample and go on
-                    sink.add_error(prompt.sample_id, prompt.source_index, sample.reason)
-                    summary.errors += 1
-                    continue
-                record = _record(prompt, sample, cfg.mode, cfg.keep)
-                sink.add(record)
-                summary.count(sample, record.num_rows)
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{summary.tokens / (time.perf_counter() - t0):,.0f}", errors=summary.errors, refresh=False)
+        run_prompts(engine, prompts, sink, summary, cfg, after_batch)
     except KeyboardInterrupt:
         sink.close(complete=False)  # everything finished so far becomes durable
         bar.close()

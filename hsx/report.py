@@ -88,6 +88,9 @@ def format_run(s) -> str:
         f"to {s.output} in {s.seconds:.1f} s ({rate:,.0f} tokens/s)",
         f"  shards on disk: {s.bytes / 1e6:,.1f} MB in total",
     ]
+    if s.workers:
+        lines.append(f"  ray: {s.workers} workers" + (f"; {s.retried} unit(s) retried on another worker after "
+                                                      "theirs was lost" if s.retried else ""))
     if s.resumed:
         lines.append(f"  resumed: {s.resumed:,} samples were already done and were skipped")
     if s.errors:

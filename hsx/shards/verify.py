@@ -15,6 +15,7 @@ import torch
 from hsx.errors import ShardError
 from hsx.shards import format as fmt
 from hsx.shards import positions
+from hsx.shards.lock import LOCK
 from hsx.shards.manifest import CONFIG, MANIFEST, Manifest, ShardEntry, load_manifest
 from hsx.shards.reader import load_shard
 
@@ -131,7 +132,7 @@ def verify(path: str | Path) -> VerifyReport:
         report.faults.append(str(e))
         return report
     report.errors = len(m.errors)
-    named = {s.file for s in m.shards} | {MANIFEST, CONFIG}
+    named = {s.file for s in m.shards} | {MANIFEST, CONFIG, LOCK}
     report.ignored = sorted(p.name for p in path.iterdir() if p.is_file() and p.name not in named)
     seen: set[str] = set()
     for entry in m.shards:

@@ -9,9 +9,10 @@ each shard under a temp name, fsyncs, renames, and only then commits it to the m
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -164,12 +165,20 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}.parquet"
 
 
+SHARD_NAME = re.compile(r"shard-(\d{5})\.parquet")
+
+
 class ShardSink:
     """A directory of shards with a manifest; the pipeline's only way to write.
 
     ``add`` buffers a record; a row group is written when the buffer reaches ``row_group_bytes``;
     the shard is committed (fsync, rename, manifest) when it reaches ``max_shard_bytes`` or
     ``max_shard_samples``. Errors recorded with ``add_error`` are committed with the next shard.
+
+    ``names`` gives the k-th shard's file name (default ``shard-00000.parquet``, numbered on from
+    the manifest's shards). With ``persist=False`` shards are still written, fsynced and renamed,
+    and ``manifest`` collects their entries, but no manifest file is written: a caller that owns
+    the real manifest commits them (the Ray driver, for its workers).
     """
 
     def __init__(
@@ -181,6 +190,8 @@ class ShardSink:
         max_shard_bytes: int = 512 << 20,
         max_shard_samples: int = 100_000,
         row_group_bytes: int = 64 << 20,
+        names: Callable[[int], str] | None = None,
+        persist: bool = True,
     ):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -195,7 +206,10 @@ class ShardSink:
         self._ids: list[str] = []
         self._shard_bytes = 0
         self._pending_errors: list[ErrorRecord] = []
-        self._next = 1 + max((int(s.file[6:11]) for s in manifest.shards), default=-1)
+        self.names = names or shard_name
+        self.persist = persist
+        numbered = (SHARD_NAME.fullmatch(s.file) for s in manifest.shards)
+        self._next = 0 if names else 1 + max((int(m.group(1)) for m in numbered if m), default=-1)
 
     def add(self, record: Record) -> None:
         self._buffer.append(record)
@@ -213,7 +227,7 @@ class ShardSink:
         if not self._buffer:
             return
         if self._writer is None:
-            tmp = self.dir / f".{shard_name(self._next)}.tmp-{os.getpid()}"
+            tmp = self.dir / f".{self.names(self._next)}.tmp-{os.getpid()}"
             self._writer = ShardWriter(tmp, self.manifest.metadata, self.compression)
         self._writer.write(self._buffer)
         self._shard_bytes += self._buffer_bytes
@@ -227,7 +241,7 @@ class ShardSink:
             stats = self._writer.finalize()
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
-            final = self.dir / shard_name(self._next)
+            final = self.dir / self.names(self._next)
             os.replace(tmp, final)
             fsync_dir(self.dir)
             self.manifest.shards.append(
@@ -237,7 +251,8 @@ class ShardSink:
             self._writer, self._ids, self._shard_bytes = None, [], 0
         self.manifest.errors.extend(self._pending_errors)
         self._pending_errors = []
-        save_manifest(self.dir, self.manifest)
+        if self.persist:
+            save_manifest(self.dir, self.manifest)
 
     def close(self, complete: bool = True) -> Manifest:
         """Commit what is left and mark the output complete."""

@@ -196,8 +196,8 @@ class SGLangRunner:
         if cfg.sglang_capture == "lists":
             groups = [self._list_group(groups, algorithm, draft_ids, model_type, args)]
         else:
-            groups, columns = self._columns(groups, algorithm, draft_ids, model_type, args)
-            capture = CaptureSpec(_capture_dir(), f"hsx{uuid.uuid4().hex[:12]}-", cfg.dtype, columns,
+            groups, columns, widths = self._columns(groups, algorithm, draft_ids, model_type, args)
+            capture = CaptureSpec(_capture_dir(), f"hsx{uuid.uuid4().hex[:12]}-", cfg.dtype, columns, widths,
                                   tree=algorithm is not None and cfg.spec_settings()[1] > 1)
             atexit.register(shutil.rmtree, capture.dir, True)
 
@@ -246,8 +246,9 @@ class SGLangRunner:
         raise HsxError(f"--spec-algorithm {algorithm} returns the final state; SGLang cannot also capture "
                        f"boundaries {list(group.sources)} (aux capture runs without a draft)")
 
-    def _columns(self, groups, algorithm, draft_ids, model_type, args) -> tuple[list[LayerGroup], tuple[Column, ...]]:
-        """Where each column's sources sit in SGLang's ``hidden`` / ``last`` outputs of the same forward.
+    def _columns(self, groups, algorithm, draft_ids, model_type, args):
+        """Groups, the capture's columns and its source widths: where each column sits in SGLang's
+        ``hidden`` / ``last`` outputs of the same forward.
 
         With aux capture (plain decoding with boundary columns, or EAGLE3) ``hidden`` is the
         concatenation of the captured boundaries and ``last`` the post-norm final state; otherwise
@@ -286,7 +287,17 @@ class SGLangRunner:
                     pieces.append((src, start, start + unit))
             columns.append(Column(g.name, tuple(pieces)))
             out_groups.append(_annotate(g, ids, captured, where) if g.sources != (FINAL,) else g)
-        return out_groups, tuple(columns)
+        widths = {"hidden": unit * len(captured) if aux else unit}
+        if any(p[0] == "last" for c in columns for p in c.pieces):
+            widths["last"] = unit
+            graphs = self.cfg.device != "cpu" and not self.cfg.engine_args.get("disable_cuda_graph", False)
+            if algorithm == "EAGLE3" and graphs:
+                raise HsxError(
+                    "--layers final under --spec-algorithm EAGLE3: SGLang keeps the final state next to the aux "
+                    "states only when told so before its CUDA graphs are captured, and SGLang loads hsx's capture "
+                    "after that, so graph-replayed verify steps would come without it. Add --engine-arg "
+                    "disable_cuda_graph=true, or take final (and the aux layers) from a run without --spec-algorithm")
+        return out_groups, tuple(columns), widths
 
     def _stop_tokens(self) -> set[int]:
         from transformers import GenerationConfig
@@ -302,9 +313,12 @@ class SGLangRunner:
         return stops
 
     def describe(self) -> dict:
-        args = {k: v for k, v in self.plan.engine_args.items() if k != "model_path"}
+        args = {k: v for k, v in self.plan.engine_args.items() if k not in ("model_path", "forward_hooks")}
+        capture = self.plan.capture
         return {"name": "sglang", "version": str(self.sglang.__version__), "torch": torch.__version__,
-                "compute_dtype": self.cfg.model_dtype, "device_type": self.cfg.device, "args": args}
+                "compute_dtype": self.cfg.model_dtype, "device_type": self.cfg.device, "args": args,
+                "capture": "lists" if capture is None else {
+                    "kind": "tensors", "columns": {c.name: [list(p) for p in c.pieces] for c in capture.columns}}}
 
     def describe_speculative(self) -> dict | None:
         if self.plan.algorithm is None:

@@ -92,22 +92,28 @@ class CaptureSpec:
     prefix: str  # only requests whose rid starts with it are captured
     dtype: str
     columns: tuple[Column, ...]
+    widths: dict[str, int]  # source -> the row width SGLang must return (checked, never reshaped)
     tree: bool  # SGLang moved the accepted tree path of ``hidden`` to the front; ``last`` needs the same
 
     def to_config(self) -> dict:
         return {"dir": self.dir, "prefix": self.prefix, "dtype": self.dtype, "tree": self.tree,
+                "widths": dict(self.widths),
                 "columns": [{"name": c.name, "pieces": [list(p) for p in c.pieces]} for c in self.columns]}
 
     @staticmethod
     def from_config(d: dict) -> "CaptureSpec":
         cols = tuple(Column(c["name"], tuple((str(s), int(a), int(b)) for s, a, b in c["pieces"])) for c in d["columns"])
         for c in cols:
-            bad = [p for p in c.pieces if p[0] not in SOURCES or not 0 <= p[1] < p[2]]
+            bad = [p for p in c.pieces if p[0] not in d["widths"] or not 0 <= p[1] < p[2] <= int(d["widths"][p[0]])]
             if bad:
                 raise HsxError(f"capture column {c.name!r}: bad pieces {bad} (sources {SOURCES})")
         if d["dtype"] not in DTYPES:
             raise HsxError(f"capture dtype {d['dtype']!r}: expected one of {sorted(DTYPES)}")
-        return CaptureSpec(str(d["dir"]), str(d["prefix"]), d["dtype"], cols, bool(d["tree"]))
+        widths = {str(k): int(v) for k, v in d["widths"].items()}
+        unknown = sorted(set(widths) - set(SOURCES))
+        if unknown:
+            raise HsxError(f"capture sources {unknown}: expected some of {SOURCES}")
+        return CaptureSpec(str(d["dir"]), str(d["prefix"]), d["dtype"], cols, widths, bool(d["tree"]))
 
     def hook(self) -> dict:
         """The ``forward_hooks`` entry that loads the capture into SGLang's scheduler process."""
@@ -137,15 +143,18 @@ class Writer:
 
     def columns(self, sources: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor]:
         """Each column ``[rows, W]`` as one CPU tensor of the stored dtype."""
+        for name, width in self.spec.widths.items():
+            src = sources.get(name)
+            if src is None or src.dim() != 2 or src.shape[1] != width:
+                have = None if src is None else tuple(src.shape)
+                raise HsxError(f"SGLang's {name!r} rows have shape {have}, expected [rows, {width}] (hidden x K for "
+                               "aux capture, x hc_mult for hyper-connections; never reshaped)")
+        if len({sources[n].shape[0] for n in self.spec.widths}) != 1:
+            raise HsxError(f"SGLang's outputs have different row counts: "
+                           f"{ {n: sources[n].shape[0] for n in self.spec.widths} }")
         out = {}
         for col in self.spec.columns:
-            parts = []
-            for s, a, b in col.pieces:
-                src = sources.get(s)
-                if src is None or src.shape[-1] < b:
-                    have = None if src is None else tuple(src.shape)
-                    raise HsxError(f"column {col.name!r} needs {s}[:, {a}:{b}], SGLang's output has {s} {have}")
-                parts.append(src[:, a:b])
+            parts = [sources[s][:, a:b] for s, a, b in col.pieces]
             block = parts[0] if len(parts) == 1 else torch.cat(parts, -1)
             out[col.name] = block.to(device="cpu", dtype=self.dtype)
         return out

@@ -1,28 +1,31 @@
 """SGLang engine: an in-process ``sglang.Engine`` fed token ids, its hidden states turned into aligned rows.
 
-The only module that imports ``sglang`` (lazily, in :func:`import_sglang`). Requests go in as token
-ids; hsx tokenizes and renders chat templates itself. What SGLang 0.5.23 returns for a finished
-request with ``return_hidden_states=True``:
+The only module that imports ``sglang`` (lazily, in :func:`import_sglang`); the SGLang internals
+hsx's capture wraps live in :mod:`hsx.engine.sglang_capture`. Requests go in as token ids; hsx
+tokenizes and renders chat templates itself. Every prompt position must be computed, so hsx starts
+the engine with the radix cache off (a cache hit computes only the uncached suffix) and chunked
+prefill off (only the last chunk would come back).
 
-- ``out["output_ids"]``: the completion tokens (a matched stop token included);
-- ``out["meta_info"]["hidden_states"]``: nested lists of floats. ``hs[0]`` is the prefill block,
-  one row per prompt position that was computed; ``hs[t]`` (t >= 1) is the decode row that
-  produced completion token t. ``len(hs) == completion_tokens``;
-- ``num_retractions``: a retracted (preempted) request is prefilled again and gets a second
-  prefill block in the middle of its list;
-- speculative stats ``spec_verify_ct``, ``spec_accept_length``, ``spec_accept_rate``,
-  ``spec_num_correct_drafts``, ``spec_correct_drafts_histogram``; per-step accept lengths are not
-  exposed, so samples carry ``verify_steps`` and no ``accept_lens``.
+Two ways the rows come out (``--sglang-capture``):
 
-Every prompt position must be computed, so hsx starts the engine with the radix cache off (a
-cache hit returns only the uncached suffix) and chunked prefill off (only the last chunk would
-come back). The rows pass through the alignment core's :class:`~hsx.align.Collector` like the
-transformers engine's: ``prefill`` with ``hs[0]``, ``extend`` with ``hs[1:]``, ``finish``.
+- ``tensors`` (default): hsx's capture in SGLang's scheduler process cuts each request's prefill
+  block and accepted verify rows, together with the step's tokens, and appends them as raw bytes to
+  one file per request (see :mod:`hsx.engine.sglang_capture`). Several columns come from the same
+  forward (``hidden``: the final state, or the aux concatenation under aux capture / EAGLE3;
+  ``last``: the post-norm final state next to the aux states), and each step's accept length is its
+  record's length. The captured tokens must equal SGLang's ``output_ids``, the accept lengths its
+  ``spec_verify_ct`` and ``spec_correct_drafts_histogram``; ``meta_info["hidden_states"]`` must be empty.
+- ``lists``: SGLang's ``return_hidden_states`` output, nested float lists in
+  ``out["meta_info"]["hidden_states"]``: ``hs[0]`` the prefill block, ``hs[t]`` (t >= 1) the decode
+  row that produced completion token t, ``len(hs) == completion_tokens``; one column per request,
+  per-request totals only (samples carry ``verify_steps``, no ``accept_lens``).
 
-Which layer: without aux capture the rows are the final-norm output (the input of lm_head) for
-Llama/Qwen-style models. Boundaries come from SGLang's EAGLE3 aux capture, which returns the
-concatenation of the captured layers (low to high) in place of the final state; its ids are
-"input of layer id+1" for most models, i.e. boundary id+1 (see :func:`sglang_capture`).
+Either way, ``num_retractions > 0`` means a retracted (preempted) request, prefilled twice: it is run
+once more on its own. The rows pass through the alignment core's :class:`~hsx.align.Collector`
+like the transformers engine's.
+
+Which layer: SGLang's aux capture ids are "input of layer id+1" for most models, i.e. boundary
+id+1 (see :func:`sglang_capture`).
 """
 
 from __future__ import annotations

@@ -189,8 +189,10 @@ class Oracle:
 def start(models: SpecModels, algorithm: str | None, topk: int, draft_tokens: int, layers: str,
           capture: str) -> SGLangRunner:
     draft = {"EAGLE": models.eagle, "EAGLE3": models.eagle3}.get(algorithm)
-    # with hsx's capture, SGLang's float-list builders raise in the scheduler (read there at start)
-    os.environ["HSX_LANE_FORBID_LISTS"] = "1" if capture == "tensors" else "0"
+    # with hsx's capture, SGLang's float-list builders raise in the scheduler (read there at start);
+    # HSX_LANE_FORBID_LISTS_FOR_LISTS=1 arms them for the list path too (the tripwire's own test)
+    forbid = capture == "tensors" or os.environ.get("HSX_LANE_FORBID_LISTS_FOR_LISTS") == "1"
+    os.environ["HSX_LANE_FORBID_LISTS"] = "1" if forbid else "0"
     cfg = ExtractConfig(model=str(models.target), engine="sglang", device="cpu", model_dtype="float32",
                         dtype="float32", layers=layers, max_new_tokens=MAX_NEW_TOKENS, seed=0, sglang_capture=capture,
                         eagle3_layer_ids=[1, 3, 5] if "eagle3" in layers else None,

@@ -9,8 +9,15 @@ accepted run while the others continue) and a prefill-mode cell, and the non-spe
 aux-capture columns. ``max_new_tokens`` is 12 with at most 4 tokens per verify step (1 + 4 + 4 + 4 > 12),
 so the last step overshoots and must be trimmed. fp32, greedy.
 
-Each cell checks, per request, against an independent teacher-forced forward (``tests/oracle.py``):
-``len(hidden_states) == completion_tokens``; the tokens are plain greedy (every completion token is
+By default (``--capture tensors``) every engine runs hsx's capture with every column it can take from
+one forward (EAGLE ``final``; EAGLE3 ``final,eagle3,b4``; plain ``final`` and ``final,eagle3,b5``),
+with SGLang's float-list builders made to raise (``HSX_LANE_FORBID_LISTS=1``); ``--capture lists``
+runs SGLang's lists, one column per engine.
+
+Each cell checks, per request and column, against an independent teacher-forced forward
+(``tests/oracle.py``): with the capture, an empty float list and ``accept_lens`` (int16, one per
+``spec_verify_ct``, covering the completion); with lists, ``len(hidden_states) ==
+completion_tokens``; the tokens are plain greedy (every completion token is
 the argmax of the oracle's logits at the previous position, and the run ends on eos or at
 max_new_tokens); P + C - 1 rows (P + C in prefill mode) at positions 0..; every row within 1e-4 of
 the oracle relative to the largest oracle value; under EAGLE3 the columns are boundaries 2, 4, 6 for

@@ -162,6 +162,7 @@ def extract(
     spec_topk: Annotated[Optional[int], _opt("Draft branching: 1 = chain, >1 = tree (default 1).")] = None,
     spec_num_draft_tokens: Annotated[Optional[int], _opt("Verify stride, root included (default num_steps + 1 for chains).")] = None,
     spec_algorithm: Annotated[Optional[str], _opt("--engine sglang: EAGLE or EAGLE3 (NGRAM, STANDALONE, DFLASH are refused).")] = None,
+    sglang_capture: Annotated[str, _cfg("--engine sglang: tensors (hsx's capture in SGLang's scheduler) or lists (SGLang's return_hidden_states float lists, slower, one column).")] = _D.sglang_capture,
     eagle3_layer_ids: Annotated[Optional[str], _opt("EAGLE3 aux layer ids as a draft config gives them, e.g. 1,15,28 (default: the draft config's, else SGLang's [2, L//2, L-3] boundaries).")] = None,
     device: Annotated[str, _cfg("auto, cpu, cuda or cuda:N.")] = _D.device,
     model_dtype: Annotated[str, _cfg("Compute dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16.")] = _D.model_dtype,

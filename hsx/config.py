@@ -50,6 +50,7 @@ class ExtractConfig:
     spec_topk: int | None = None
     spec_num_draft_tokens: int | None = None
     spec_algorithm: str | None = None  # --engine sglang: EAGLE or EAGLE3 (the hf engine runs --draft-model)
+    sglang_capture: Literal["tensors", "lists"] = "tensors"  # --engine sglang: hsx's capture, or SGLang's float lists
     # output layout
     compression: Literal["none", "zstd"] = "none"
     max_shard_mb: int = 512
@@ -89,6 +90,8 @@ class ExtractConfig:
             raise HsxError("--spec-* options need --draft-model with the hf engine")
         if self.engine_args and self.engine != "sglang":
             raise HsxError(f"engine_args {sorted(self.engine_args)} are sglang.Engine arguments; the hf engine takes none")
+        if self.sglang_capture not in ("tensors", "lists"):
+            raise HsxError(f"--sglang-capture must be tensors or lists, got {self.sglang_capture!r}")
         if self.spec_algorithm is not None and self.engine != "sglang":
             raise HsxError("--spec-algorithm names SGLang's algorithm (--engine sglang); the hf engine runs --draft-model")
         if self.ray:

@@ -5,6 +5,13 @@ dict and the spec stat keys). Good outputs must give shards identical to ``--eng
 known hazard (cached prefill, retraction, dropped row, wrong width, refused algorithms, old or
 missing SGLang) must be caught.
 
+With hsx's capture (``--sglang-capture tensors``, the default) the stand-in plays SGLang's scheduler
+too: when ``forward_hooks`` names hsx's capture factory, each prefill block and verify step the
+transformers engine produces goes through the capture's :class:`Writer` as SGLang's result processor
+would hand it over (``hidden`` = the column SGLang returns, ``last`` = the post-norm final state
+under aux capture), and ``meta_info["hidden_states"]`` comes back empty. Its hazards edit the
+capture files: a retraction's second prefill block, a lost step, a scheduler-side error.
+
 The stand-in applies SGLang's own capture rule for aux layer ids (``layers_to_capture = id + 1``),
 written out here rather than taken from hsx, so the adapter's translation is checked against it.
 """
@@ -26,7 +33,10 @@ from hsx.config import ExtractConfig
 from hsx.demo.models import build_tiny_llama, perturbed_copy
 from hsx.demo.tokenizer import build_demo_tokenizer
 from hsx.engine.hf import HFEngine, SamplingSettings, SpecSettings
+from hsx.engine import hf as hf_engine
 from hsx.engine.sglang import capture_ids_for, import_sglang, sglang_capture
+from hsx.engine.sglang_capture import HOOK_FACTORY, CaptureSpec, Writer, read_records
+from hsx.align import Collector
 from hsx.errors import HsxError
 from hsx.pipeline import extract
 from hsx.recompute import recompute
@@ -52,6 +62,7 @@ class FakeEngine:
 
     instances: list["FakeEngine"] = []
     hazard = None  # callable(engine, call_no, index, out) -> out, set by a test
+    ignore_capture = False  # True: behave as an SGLang that never loaded hsx's capture (float lists come back)
 
     def __init__(self, **kwargs):
         self.kwargs = kwargs
@@ -71,37 +82,54 @@ class FakeEngine:
         else:
             layers = None
         group = LayerGroup("out", ("final",), H) if layers is None else LayerGroup("out", tuple(layers), H * len(layers))
+        hooks = [h for h in kwargs.get("forward_hooks") or [] if h.get("hook_factory") == HOOK_FACTORY]
+        self.capture = None if FakeEngine.ignore_capture or not hooks else CaptureSpec.from_config(hooks[0]["config"])
+        groups = [group]
+        if self.capture is not None and layers is not None:  # aux capture: SGLang also keeps the final state
+            groups.append(LayerGroup("last", ("final",), H))
         draft, spec = None, None
         if algorithm is not None:
             draft = load(kwargs["speculative_draft_model_path"])
             spec = SpecSettings(kwargs["speculative_num_steps"], kwargs["speculative_eagle_topk"],
                                 kwargs["speculative_num_draft_tokens"])
         self.speculative = spec is not None
-        self.hf = HFEngine(model, [group], draft_model=draft, spec=spec, store_dtype=torch.float32)
+        self.hf = HFEngine(model, groups, draft_model=draft, spec=spec, store_dtype=torch.float32)
         FakeEngine.instances.append(self)
 
-    def generate(self, input_ids=None, sampling_params=None, return_hidden_states=False):
+    def generate(self, input_ids=None, sampling_params=None, return_hidden_states=False, rid=None):
         assert return_hidden_states is True and input_ids is not None
         sp = sampling_params
         sampling = SamplingSettings(sp["max_new_tokens"], sp.get("temperature", 0.0), sp.get("top_p", 1.0),
                                     sp.get("sampling_seed", 0), tuple(sp.get("stop_token_ids") or ()))
         call_no = len(self.calls)
         self.calls.append([list(x) for x in input_ids])
-        samples = self.hf.generate([(i, torch.tensor(x)) for i, x in enumerate(input_ids)], sampling)
+        rids = list(rid) if rid is not None else [f"req-{i}" for i in range(len(input_ids))]
+        requests = [(i, torch.tensor(x)) for i, x in enumerate(input_ids)]
+        if self.capture is None:
+            samples = self.hf.generate(requests, sampling)
+        else:
+            scheduler = Scheduler(self.capture, rids)
+            original = hf_engine.Collector
+            hf_engine.Collector = scheduler.collector
+            try:
+                samples = self.hf.generate(requests, sampling)
+            finally:
+                hf_engine.Collector = original
         outs = []
         for i, (ids, s) in enumerate(zip(input_ids, samples)):
-            out = self._output(len(ids), s, sp["max_new_tokens"], i)
+            out = self._output(len(ids), s, sp["max_new_tokens"], rids[i])
             outs.append(FakeEngine.hazard(self, call_no, i, out) if FakeEngine.hazard else out)
         return outs
 
-    def _output(self, P: int, s, max_new_tokens: int, i: int) -> dict:
+    def _output(self, P: int, s, max_new_tokens: int, rid: str) -> dict:
         rows = s.hidden["out"]  # [P + C - 1, W]
         C = s.input_ids.numel() - P
         completion = s.input_ids[P:].tolist()
         finish = {"type": "length", "length": C} if s.finish_reason == "length" else {"type": "stop", "matched": completion[-1]}
-        meta = {"id": f"req-{i}", "finish_reason": finish, "prompt_tokens": P, "weight_version": "default",
+        listed = [] if self.capture is not None else [rows[:P].tolist()] + rows[P:].tolist()
+        meta = {"id": rid, "finish_reason": finish, "prompt_tokens": P, "weight_version": "default",
                 "num_retractions": 0, "reasoning_tokens": 0, "completion_tokens": C, "cached_tokens": 0,
-                "hidden_states": [rows[:P].tolist()] + rows[P:].tolist()}
+                "hidden_states": listed}
         if self.speculative and s.accept_lens is not None and s.accept_lens.numel():
             a = s.accept_lens.long()
             drafts = self.kwargs["speculative_num_draft_tokens"] - 1
@@ -115,6 +143,39 @@ class FakeEngine:
         pass
 
 
+class Scheduler:
+    """SGLang's result processor as the capture sees it: each prefill block and verify step of the
+    transformers engine handed to the capture's Writer with SGLang's source names."""
+
+    def __init__(self, spec: CaptureSpec, rids: list[str]):
+        self.writer, self.rids = Writer(spec), rids
+
+    def req(self, i):
+        return types.SimpleNamespace(rid=self.rids[i], return_hidden_states=True)
+
+    @staticmethod
+    def sources(hidden) -> dict:
+        return {"hidden": hidden["out"], "last": hidden.get("last")}
+
+    def collector(self, groups, dtype):
+        scheduler = self
+
+        class Spy(Collector):
+            def prefill(self, rid, prompt_ids, hidden, first_token):
+                super().prefill(rid, prompt_ids, hidden, first_token)
+                scheduler.writer.prefill([scheduler.req(rid)], scheduler.sources(hidden), [prompt_ids.numel()],
+                                         torch.tensor([first_token]), [True])
+
+            def step(self, rids, hidden, tokens, accept_lens, stride):
+                super().step(rids, hidden, tokens, accept_lens, stride)
+                live = torch.ones(len(rids), dtype=torch.bool)
+                # the transformers engine's rows are already at the front of each stride, every column
+                scheduler.writer.step([scheduler.req(r) for r in rids], scheduler.sources(hidden), tokens,
+                                      accept_lens, stride, live, None)
+
+        return Spy(groups, dtype)
+
+
 def fake_module(version: str = "0.5.23") -> types.ModuleType:
     mod = types.ModuleType("sglang")
     mod.__version__ = version
@@ -124,10 +185,10 @@ def fake_module(version: str = "0.5.23") -> types.ModuleType:
 
 @pytest.fixture(autouse=True)
 def fake_sglang(monkeypatch):
-    FakeEngine.instances, FakeEngine.hazard = [], None
+    FakeEngine.instances, FakeEngine.hazard, FakeEngine.ignore_capture = [], None, False
     monkeypatch.setitem(sys.modules, "sglang", fake_module())
     yield
-    FakeEngine.hazard = None
+    FakeEngine.hazard, FakeEngine.ignore_capture = None, False
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +208,7 @@ def models(tmp_path_factory) -> dict:
 
 def config(models, out: Path, **kw) -> ExtractConfig:
     base = dict(model=models["target"], dataset=models["data"], output=str(out), id_field="id", dtype="float32",
-                layers="final", max_new_tokens=10, batch_size=3, device="cpu")
+                layers="final", max_new_tokens=10, batch_size=3, device="cpu", sglang_capture="lists")
     base.update(kw)
     return ExtractConfig(**base)
 
@@ -169,8 +230,10 @@ def assert_same_shards(a_dir: Path, b_dir: Path, speculative: bool = False, atol
             else:
                 assert (x.hidden(n) - y.hidden(n)).abs().max().item() <= atol, (x.sample_id, n)
             rows += x.hidden(n).shape[0]
-        if speculative:
+        if speculative == "counts":  # SGLang's lists: step counts only
             assert y.accept_lens is None and y.verify_steps == x.accept_lens.numel(), x.sample_id
+        elif speculative:
+            assert torch.equal(x.accept_lens, y.accept_lens) and y.accept_lens.dtype == torch.int16, x.sample_id
     return rows
 
 
@@ -200,7 +263,7 @@ def test_eagle_shards_equal_transformers_engine(models, tmp_path, topk, draft_to
     hf = extract(config(models, tmp_path / "hf", **spec), progress=False)
     sgl = extract(config(models, tmp_path / "sgl", engine="sglang", spec_algorithm="EAGLE", **spec), progress=False)
     assert sgl.errors == 0
-    assert assert_same_shards(tmp_path / "hf", tmp_path / "sgl", speculative=True) > 0
+    assert assert_same_shards(tmp_path / "hf", tmp_path / "sgl", speculative="counts") > 0
     assert sgl.verify_steps == hf.verify_steps > 0
     assert hf.accepted > hf.verify_steps  # some steps accepted drafts
     args = FakeEngine.instances[0].kwargs
@@ -236,7 +299,7 @@ def test_eagle3_speculative_rows_are_the_aux_concatenation(models, tmp_path):
     extract(config(models, tmp_path / "hf", layers="eagle3", **spec), progress=False)
     extract(config(models, tmp_path / "sgl", engine="sglang", spec_algorithm="EAGLE3", layers="eagle3", **spec),
             progress=False)
-    assert assert_same_shards(tmp_path / "hf", tmp_path / "sgl", speculative=True) > 0
+    assert assert_same_shards(tmp_path / "hf", tmp_path / "sgl", speculative="counts") > 0
     with pytest.raises(HsxError, match="aux concatenation"):
         extract(config(models, tmp_path / "bad", engine="sglang", spec_algorithm="EAGLE3", **spec), progress=False)
 
@@ -483,3 +546,220 @@ def test_capture_ids_round_trip(model_type, boundaries):
 def test_capture_ids_refused(model_type, boundaries):
     with pytest.raises(HsxError):
         capture_ids_for(boundaries, model_type, 32)
+
+
+# ---- hsx's capture (--sglang-capture tensors) ---------------------------------------------------
+
+
+def tensors(models, out: Path, **kw) -> ExtractConfig:
+    return config(models, out, engine="sglang", sglang_capture="tensors", **kw)
+
+
+EAGLE_SPEC = dict(spec_num_steps=3, spec_topk=2, spec_num_draft_tokens=6)
+
+
+@pytest.mark.parametrize("algorithm,layers", [(None, "final"), (None, "final,eagle3,b3"), ("EAGLE", "final"),
+                                              ("EAGLE3", "final,eagle3"), ("EAGLE3", "eagle3,b2,final")])
+def test_capture_shards_equal_transformers_engine(models, tmp_path, algorithm, layers):
+    """Every column from one run, bit-equal to the hf engine's; accept lengths per step, int16."""
+    spec = dict(draft_model=models["draft"], **EAGLE_SPEC) if algorithm else {}
+    # under EAGLE3 SGLang captures what the draft config names (here nothing: its default [2, L//2, L-3] = 2, 4, 5)
+    ids = None if algorithm == "EAGLE3" else [1, 3, 5]
+    extract(config(models, tmp_path / "hf", layers=layers, eagle3_layer_ids=ids, **spec), progress=False)
+    summary = extract(tensors(models, tmp_path / "sgl", layers=layers, eagle3_layer_ids=ids, spec_algorithm=algorithm,
+                              **spec), progress=False)
+    assert summary.errors == 0 and summary.samples == len(ROWS)
+    assert assert_same_shards(tmp_path / "hf", tmp_path / "sgl", speculative=algorithm is not None) > 0
+    (engine,) = FakeEngine.instances[-1:]
+    assert engine.capture is not None
+    assert list(Path(engine.capture.dir).iterdir()) == []  # every request's file read and removed
+    meta = hsx.open(tmp_path / "sgl").metadata
+    assert [g["name"] for g in meta["layers"]] == layers.split(",")
+    assert meta["engine"]["capture"]["kind"] == "tensors"
+    from hsx.shards.verify import verify
+
+    report = verify(tmp_path / "sgl")
+    assert report.ok, report.faults
+
+
+def test_capture_plain_aux_ids_cover_every_column(models, tmp_path):
+    """final,eagle3,b3 without speculation: one aux capture of boundaries 2, 3, 4, 6 (ids 1, 2, 3, 5)."""
+    extract(tensors(models, tmp_path / "sgl", layers="final,eagle3,b3", eagle3_layer_ids=[1, 3, 5]), progress=False)
+    args = FakeEngine.instances[0].kwargs
+    assert args["return_aux_hidden_state_layer_ids"] == [1, 2, 3, 5] and args["enable_return_aux_hidden_states"]
+    (hook,) = args["forward_hooks"]
+    cols = {c["name"]: c["pieces"] for c in hook["config"]["columns"]}
+    H = HIDDEN
+    assert cols == {"final": [["last", 0, H]], "eagle3": [["hidden", 0, H], ["hidden", 2 * H, 4 * H]],
+                    "b3": [["hidden", H, 2 * H]]}
+
+
+def test_list_path_under_the_capture_stops_the_run(models, tmp_path):
+    """An SGLang that never loaded the capture answers with float lists: hsx refuses them, it never converts."""
+    FakeEngine.ignore_capture = True
+    with pytest.raises(HsxError, match="float lists although hsx's capture is selected"):
+        extract(tensors(models, tmp_path / "sgl"), progress=False)
+
+
+def _rewrite(engine: FakeEngine, rid: str, edit) -> None:
+    """Replace a request's capture file by ``edit(records)``, written back through the capture's Writer."""
+    spec = engine.capture
+    records = edit(read_records(spec, rid))
+    spec.path(rid).unlink()
+    writer = Writer(spec)
+    for r in records:
+        if r.kind == 2:
+            writer.error(rid, r.message)
+        else:
+            writer.append(rid, r.kind, {k: v.clone() for k, v in r.rows.items()}, torch.from_numpy(r.tokens))
+
+
+def _spec_run(models, tmp_path, **kw):
+    return extract(tensors(models, tmp_path / "sgl", spec_algorithm="EAGLE", draft_model=models["draft"],
+                           **EAGLE_SPEC, **kw), progress=False)
+
+
+@pytest.mark.parametrize("lost", [1, 2, -1])
+def test_capture_missing_step_is_an_error_record(models, tmp_path, lost):
+    """A verify step's record lost (first, middle, last): a per-sample error, never rows shifted into place."""
+    def drop(engine, call_no, i, out):
+        if call_no == 0 and i == 1:
+            _rewrite(engine, out["meta_info"]["id"], lambda rs: rs[:lost] + rs[lost + 1:] if lost != -1 else rs[:-1])
+        return out
+
+    FakeEngine.hazard = drop
+    summary = _spec_run(models, tmp_path)
+    errors = _errors(tmp_path / "sgl")
+    assert summary.errors == 1 and list(errors) == ["text-b"]
+    assert "a step's rows are missing" in errors["text-b"]
+    assert "text-b" not in hsx.open(tmp_path / "sgl").sample_ids
+
+
+def test_capture_step_count_differs_from_sglang_totals(models, tmp_path):
+    def miscount(engine, call_no, i, out):
+        if call_no == 0 and i == 0:
+            out["meta_info"]["spec_verify_ct"] += 1
+        return out
+
+    FakeEngine.hazard = miscount
+    summary = _spec_run(models, tmp_path)
+    errors = _errors(tmp_path / "sgl")
+    assert summary.errors == 1 and "spec_verify_ct" in errors["chat-a"]
+
+
+def test_capture_retracted_request_is_rerun_once(models, tmp_path):
+    """A retraction leaves a second prefill block in the request's file; the request runs again on its own."""
+    def retract_first_time(engine, call_no, i, out):
+        if call_no == 0 and i == 2:
+            _rewrite(engine, out["meta_info"]["id"], lambda rs: rs[:2] + [rs[0]] + rs[2:])
+            out["meta_info"]["num_retractions"] = 1
+        return out
+
+    FakeEngine.hazard = retract_first_time
+    extract(config(models, tmp_path / "hf"), progress=False)
+    summary = extract(tensors(models, tmp_path / "sgl"), progress=False)
+    assert summary.errors == 0
+    calls = FakeEngine.instances[0].calls
+    assert calls[1] == [calls[0][2]]
+    assert assert_same_shards(tmp_path / "hf", tmp_path / "sgl", atol=1e-6) > 0
+
+
+def test_capture_unreported_retraction_is_an_error_record(models, tmp_path):
+    """A second prefill block without num_retractions is still caught, from the file alone."""
+    def retract(engine, call_no, i, out):
+        if call_no == 0 and i == 0:
+            _rewrite(engine, out["meta_info"]["id"], lambda rs: rs[:3] + [rs[0]] + rs[3:])
+        return out
+
+    FakeEngine.hazard = retract
+    summary = extract(tensors(models, tmp_path / "sgl"), progress=False)
+    errors = _errors(tmp_path / "sgl")
+    assert summary.errors == 1 and "prefill blocks at records [0, 3]" in errors["chat-a"]
+
+
+def test_capture_always_retracted_request_is_an_error_record(models, tmp_path):
+    def retract(engine, call_no, i, out):
+        if engine.calls[call_no][i] == engine.calls[0][0]:
+            out["meta_info"]["num_retractions"] = 1
+        return out
+
+    FakeEngine.hazard = retract
+    summary = extract(tensors(models, tmp_path / "sgl"), progress=False)
+    assert summary.errors == 1 and "retracted" in _errors(tmp_path / "sgl")["chat-a"]
+    assert list(Path(FakeEngine.instances[0].capture.dir).iterdir()) == []  # both runs' files removed
+
+
+def test_capture_aborted_request_is_an_error_record(models, tmp_path):
+    def abort(engine, call_no, i, out):
+        if call_no == 0 and i == 1:
+            out["meta_info"]["finish_reason"] = {"type": "abort", "message": "client gone"}
+            _rewrite(engine, out["meta_info"]["id"], lambda rs: rs[:2])  # an aborted request stops mid-run
+        return out
+
+    FakeEngine.hazard = abort
+    summary = _spec_run(models, tmp_path)
+    errors = _errors(tmp_path / "sgl")
+    assert summary.errors == 1 and "abort" in errors["text-b"]
+    assert list(Path(FakeEngine.instances[0].capture.dir).iterdir()) == []
+
+
+def test_capture_scheduler_error_is_an_error_record(models, tmp_path):
+    """Rows the scheduler could not cut (here: a source of the wrong width) are a per-sample error naming why."""
+    def narrow(engine, call_no, i, out):
+        if call_no == 0 and i == 0:
+            rid = out["meta_info"]["id"]
+            spec = engine.capture
+            spec.path(rid).unlink()
+            Writer(spec)._columns_or_errors([types.SimpleNamespace(rid=rid, return_hidden_states=True)],
+                                            {"hidden": torch.zeros(3, HIDDEN + 1)}, "prefill")
+        return out
+
+    FakeEngine.hazard = narrow
+    summary = extract(tensors(models, tmp_path / "sgl"), progress=False)
+    errors = _errors(tmp_path / "sgl")
+    assert summary.errors == 1 and f"expected [rows, {HIDDEN}]" in errors["chat-a"]
+
+
+def test_capture_truncated_file_stops_the_run(models, tmp_path):
+    def truncate(engine, call_no, i, out):
+        if call_no == 0 and i == 0:
+            path = engine.capture.path(out["meta_info"]["id"])
+            path.write_bytes(path.read_bytes()[:-5])
+        return out
+
+    FakeEngine.hazard = truncate
+    with pytest.raises(HsxError, match="truncated"):
+        extract(tensors(models, tmp_path / "sgl"), progress=False)
+
+
+def test_capture_refuses_untested_sglang(models, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "sglang", fake_module("0.5.24"))
+    with pytest.raises(HsxError, match=r"checked on SGLang 0\.5\.23 only; SGLang 0\.5\.24 is installed"):
+        extract(tensors(models, tmp_path / "sgl"), progress=False)
+    extract(config(models, tmp_path / "lists", engine="sglang"), progress=False)  # the list path takes it
+
+
+@pytest.mark.parametrize("layers,algorithm,why", [
+    ("final,b3", "EAGLE", "only the final state"),
+    ("final,eagle3,b3", "EAGLE3", r"captures boundaries \[2, 4, 5\] \(draft ids None\); .* also asks for \[3\]"),
+])
+def test_capture_unreachable_columns_refused(models, tmp_path, layers, algorithm, why):
+    with pytest.raises(HsxError, match=why):
+        extract(tensors(models, tmp_path / "sgl", layers=layers, spec_algorithm=algorithm, draft_model=models["draft"],
+                        **EAGLE_SPEC), progress=False)
+
+
+def test_capture_final_under_eagle3_refused_with_cuda_graphs(models, tmp_path):
+    with pytest.raises(HsxError, match="disable_cuda_graph=true"):
+        extract(tensors(models, tmp_path / "sgl", layers="final,eagle3", spec_algorithm="EAGLE3", device="cuda",
+                        draft_model=models["draft"], **EAGLE_SPEC), progress=False)
+
+
+def test_front_moves_the_accepted_tree_path():
+    from hsx.engine.sglang_capture import front
+
+    x = torch.arange(2 * 4 * 3, dtype=torch.float32).view(8, 3)  # batch 2, stride 4
+    accept_index = torch.tensor([[0, 2, -1], [4, 7, 5]])
+    out = front(x, accept_index, 2, 4)
+    assert torch.equal(out[[0, 1]], x[[0, 2]]) and torch.equal(out[[4, 5, 6]], x[[4, 7, 5]])
+    assert torch.equal(out[3], x[3]) and torch.equal(out[7], x[7])  # past the path: untouched

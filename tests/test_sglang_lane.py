@@ -138,3 +138,38 @@ def test_standin_request_leaves_the_named_op_silent(monkeypatch):
         monkeypatch.delenv("HSX_LANE_STANDIN")
         stubs.provide(kernels.OPS)
     assert sgl_kernel.fill_bonus_tokens_cpu is kernels.fill_bonus_tokens_cpu
+
+
+
+TRIPWIRE_RUN = """
+import sys
+sys.path.insert(0, sys.argv[1])
+import grid
+from hsx.demo.spec_models import build_spec_models
+models = build_spec_models(sys.argv[2])
+runner = grid.start(models, None, 1, 1, "final", sys.argv[3])
+samples = runner.run(grid.make_prompts(models, "mixed", [5, 9], 0, "tripwire"))
+runner.engine.shutdown()
+print("ROWS", sum(s.num_rows for s in samples))
+"""
+
+
+@pytest.mark.parametrize("capture", ["lists", "tensors"])
+def test_list_tripwire(tmp_path, capture):
+    """The grid's proof that the capture never takes SGLang's list path rests on the tripwire
+    (HSX_LANE_FORBID_LISTS=1, set by grid.start for the capture): lists under it must fail in
+    SGLang's scheduler, the capture under it must run. (SGLang ends its parent process when the
+    scheduler fails, so the run is a subprocess.)"""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    lane = Path(__file__).resolve().parents[1] / "scripts" / "sglang_cpu"
+    env = {**os.environ, "HSX_LANE_FORBID_LISTS_FOR_LISTS": "1"}
+    proc = subprocess.run([sys.executable, "-c", TRIPWIRE_RUN, str(lane), str(tmp_path / "models"), capture],
+                          capture_output=True, text=True, env=env, timeout=600)
+    out = proc.stdout + proc.stderr
+    if capture == "lists":
+        assert proc.returncode != 0 and "LaneListPathTaken" in out, out[-3000:]
+    else:
+        assert proc.returncode == 0 and "ROWS" in proc.stdout, out[-3000:]

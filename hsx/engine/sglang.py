@@ -1,32 +1,40 @@
 """SGLang engine: an in-process ``sglang.Engine`` fed token ids, its hidden states turned into aligned rows.
 
-The only module that imports ``sglang`` (lazily, in :func:`import_sglang`). Requests go in as token
-ids; hsx tokenizes and renders chat templates itself. What SGLang 0.5.23 returns for a finished
-request with ``return_hidden_states=True``:
+The only module that imports ``sglang`` (lazily, in :func:`import_sglang`); the SGLang internals
+hsx's capture wraps live in :mod:`hsx.engine.sglang_capture`. Requests go in as token ids; hsx
+tokenizes and renders chat templates itself. Every prompt position must be computed, so hsx starts
+the engine with the radix cache off (a cache hit computes only the uncached suffix) and chunked
+prefill off (only the last chunk would come back).
 
-- ``out["output_ids"]``: the completion tokens (a matched stop token included);
-- ``out["meta_info"]["hidden_states"]``: nested lists of floats. ``hs[0]`` is the prefill block,
-  one row per prompt position that was computed; ``hs[t]`` (t >= 1) is the decode row that
-  produced completion token t. ``len(hs) == completion_tokens``;
-- ``num_retractions``: a retracted (preempted) request is prefilled again and gets a second
-  prefill block in the middle of its list;
-- speculative stats ``spec_verify_ct``, ``spec_accept_length``, ``spec_accept_rate``,
-  ``spec_num_correct_drafts``, ``spec_correct_drafts_histogram``; per-step accept lengths are not
-  exposed, so samples carry ``verify_steps`` and no ``accept_lens``.
+Two ways the rows come out (``--sglang-capture``):
 
-Every prompt position must be computed, so hsx starts the engine with the radix cache off (a
-cache hit returns only the uncached suffix) and chunked prefill off (only the last chunk would
-come back). The rows pass through the alignment core's :class:`~hsx.align.Collector` like the
-transformers engine's: ``prefill`` with ``hs[0]``, ``extend`` with ``hs[1:]``, ``finish``.
+- ``tensors`` (default): hsx's capture in SGLang's scheduler process cuts each request's prefill
+  block and accepted verify rows, together with the step's tokens, and appends them as raw bytes to
+  one file per request (see :mod:`hsx.engine.sglang_capture`). Several columns come from the same
+  forward (``hidden``: the final state, or the aux concatenation under aux capture / EAGLE3;
+  ``last``: the post-norm final state next to the aux states), and each step's accept length is its
+  record's length. The captured tokens must equal SGLang's ``output_ids``, the accept lengths its
+  ``spec_verify_ct`` and ``spec_correct_drafts_histogram``; ``meta_info["hidden_states"]`` must be empty.
+- ``lists``: SGLang's ``return_hidden_states`` output, nested float lists in
+  ``out["meta_info"]["hidden_states"]``: ``hs[0]`` the prefill block, ``hs[t]`` (t >= 1) the decode
+  row that produced completion token t, ``len(hs) == completion_tokens``; one column per request,
+  per-request totals only (samples carry ``verify_steps``, no ``accept_lens``).
 
-Which layer: without aux capture the rows are the final-norm output (the input of lm_head) for
-Llama/Qwen-style models. Boundaries come from SGLang's EAGLE3 aux capture, which returns the
-concatenation of the captured layers (low to high) in place of the final state; its ids are
-"input of layer id+1" for most models, i.e. boundary id+1 (see :func:`sglang_capture`).
+Either way, ``num_retractions > 0`` means a retracted (preempted) request, prefilled twice: it is run
+once more on its own. The rows pass through the alignment core's :class:`~hsx.align.Collector`
+like the transformers engine's.
+
+Which layer: SGLang's aux capture ids are "input of layer id+1" for most models, i.e. boundary
+id+1 (see :func:`sglang_capture`).
 """
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
+import uuid
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -36,6 +44,7 @@ import torch
 from hsx.align import FINAL, Collector, LayerGroup, ModelShape, parse_layers, teacher_forced
 from hsx.config import ExtractConfig
 from hsx.engine.loader import eagle3_ids_from_config
+from hsx.engine.sglang_capture import ERROR, PREFILL, CaptureSpec, Column, check_version, discard, read_records
 from hsx.errors import AlignmentError, HsxError, SampleError
 from hsx.shards.format import DTYPES
 
@@ -114,9 +123,14 @@ def capture_ids_for(boundaries: Sequence[int], model_type: str | None, num_layer
 class _Plan:
     """What the engine is started with and what its rows mean."""
 
-    group: LayerGroup
+    groups: list[LayerGroup]
     engine_args: dict
     algorithm: str | None  # speculative algorithm actually running, None without speculation
+    capture: CaptureSpec | None = None  # None: SGLang's float lists (--sglang-capture lists)
+
+    @property
+    def group(self) -> LayerGroup:
+        return self.groups[0]
 
 
 class SGLangRunner:
@@ -129,6 +143,8 @@ class SGLangRunner:
 
         self.sglang = import_sglang()
         self.cfg = cfg
+        if cfg.sglang_capture == "tensors":
+            check_version(self.sglang.__version__)
         remote = cfg.trust_remote_code
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=remote)
@@ -139,8 +155,9 @@ class SGLangRunner:
                            + (f" / draft {cfg.draft_model!r}" if cfg.draft_model else "") + f": {e}") from None
         self.shape = ModelShape.from_config(self.model_config)
         self.context_length = getattr(self.model_config, "max_position_embeddings", None)
+        self._requests = 0
         self.plan = self._plan(draft_config)
-        self.groups: list[LayerGroup] = [self.plan.group]
+        self.groups: list[LayerGroup] = list(self.plan.groups)
         self.store_dtype = DTYPES[cfg.dtype]
         self.stop_token_ids = sorted(self._stop_tokens())
         try:
@@ -165,10 +182,6 @@ class SGLangRunner:
             raise HsxError(f"--eagle3-layer-ids {cfg.eagle3_layer_ids} differ from the draft config's "
                            f"{draft_ids}, which is what SGLang captures under EAGLE3")
         groups = parse_layers(cfg.layers, self.shape, cfg.eagle3_layer_ids if cfg.eagle3_layer_ids is not None else draft_ids)
-        if len(groups) != 1:
-            raise HsxError(f"--engine sglang returns one hidden-state column per request; --layers {cfg.layers!r} "
-                           f"asks for {len(groups)} ({[g.name for g in groups]})")
-        group = groups[0]
         args = {"model_path": cfg.model, "random_seed": cfg.seed, **REQUIRED_ARGS}
         if cfg.trust_remote_code:
             args["trust_remote_code"] = True
@@ -179,27 +192,17 @@ class SGLangRunner:
             args["device"] = device
             if index:
                 args["base_gpu_id"] = int(index)
+        if any(FINAL in g.sources for g in groups) and model_type in PRE_NORM_MODELS:
+            raise HsxError(f"SGLang returns pre-norm states for {model_type} models, not the final-norm output")
 
-        if group.sources == (FINAL,):
-            if algorithm == "EAGLE3":
-                raise HsxError("under EAGLE3 SGLang returns the aux concatenation, not the final state: "
-                               "use --layers eagle3")
-            if model_type in PRE_NORM_MODELS:
-                raise HsxError(f"SGLang returns pre-norm states for {model_type} models, not the final-norm output")
-        elif algorithm == "EAGLE3":
-            captured = sglang_capture(draft_ids, model_type, self.shape.num_layers)
-            if tuple(group.sources) != captured:
-                raise HsxError(f"--layers {group.name} is boundaries {list(group.sources)}, but SGLang's EAGLE3 "
-                               f"captures boundaries {list(captured)} for draft ids {draft_ids}")
-            group = _annotate(group, draft_ids, "from the draft config")
-        elif algorithm is None:
-            ids = capture_ids_for(group.sources, model_type, self.shape.num_layers)
-            args.update(enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
-                        return_aux_hidden_state_layer_ids=ids)
-            group = _annotate(group, ids, "return_aux_hidden_state_layer_ids")
+        capture = None
+        if cfg.sglang_capture == "lists":
+            groups = [self._list_group(groups, algorithm, draft_ids, model_type, args)]
         else:
-            raise HsxError(f"--spec-algorithm {algorithm} returns the final state; SGLang cannot also capture "
-                           f"boundaries {list(group.sources)} (aux capture runs without a draft)")
+            groups, columns, widths = self._columns(groups, algorithm, draft_ids, model_type, args)
+            capture = CaptureSpec(_capture_dir(), f"hsx{uuid.uuid4().hex[:12]}-", cfg.dtype, columns, widths,
+                                  tree=algorithm is not None and cfg.spec_settings()[1] > 1)
+            atexit.register(shutil.rmtree, capture.dir, True)
 
         if algorithm is not None:
             steps, topk, draft_tokens = cfg.spec_settings()
@@ -216,7 +219,88 @@ class SGLangRunner:
             raise HsxError(f"engine_args {sorted(clash)} conflict with options hsx sets from its own configuration "
                            f"({ {k: args[k] for k in clash} }); set them through the config fields")
         args.update(cfg.engine_args)
-        return _Plan(group, args, algorithm)
+        if capture is not None:
+            args["forward_hooks"] = list(args.get("forward_hooks") or []) + [capture.hook()]
+        return _Plan(groups, args, algorithm, capture)
+
+    def _list_group(self, groups, algorithm, draft_ids, model_type, args) -> LayerGroup:
+        """SGLang's float lists: one column per request, and which one depends on the algorithm."""
+        if len(groups) != 1:
+            raise HsxError(f"--sglang-capture lists returns one hidden-state column per request; --layers "
+                           f"{self.cfg.layers!r} asks for {len(groups)} ({[g.name for g in groups]}): use "
+                           "--sglang-capture tensors")
+        group = groups[0]
+        if group.sources == (FINAL,):
+            if algorithm == "EAGLE3":
+                raise HsxError("under EAGLE3 SGLang's lists hold the aux concatenation, not the final state: "
+                               "use --layers eagle3, or --sglang-capture tensors for both")
+            return group
+        if algorithm == "EAGLE3":
+            captured = sglang_capture(draft_ids, model_type, self.shape.num_layers)
+            if tuple(group.sources) != captured:
+                raise HsxError(f"--layers {group.name} is boundaries {list(group.sources)}, but SGLang's EAGLE3 "
+                               f"captures boundaries {list(captured)} for draft ids {draft_ids}")
+            return _annotate(group, draft_ids, captured, "from the draft config")
+        if algorithm is None:
+            ids = capture_ids_for(group.sources, model_type, self.shape.num_layers)
+            args.update(enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
+                        return_aux_hidden_state_layer_ids=ids)
+            return _annotate(group, ids, group.sources, "return_aux_hidden_state_layer_ids")
+        raise HsxError(f"--spec-algorithm {algorithm} returns the final state; SGLang cannot also capture "
+                       f"boundaries {list(group.sources)} (aux capture runs without a draft)")
+
+    def _columns(self, groups, algorithm, draft_ids, model_type, args):
+        """Groups, the capture's columns and its source widths: where each column sits in SGLang's
+        ``hidden`` / ``last`` outputs of the same forward.
+
+        With aux capture (plain decoding with boundary columns, or EAGLE3) ``hidden`` is the
+        concatenation of the captured boundaries and ``last`` the post-norm final state; otherwise
+        ``hidden`` is the final state.
+        """
+        unit, num_layers = self.shape.unit_width, self.shape.num_layers
+        bounds = tuple(sorted({s for g in groups for s in g.sources if s != FINAL}))
+        if algorithm == "EAGLE3":
+            captured = sglang_capture(draft_ids, model_type, num_layers)
+            missing = [b for b in bounds if b not in captured]
+            if missing:
+                raise HsxError(f"under EAGLE3 SGLang captures boundaries {list(captured)} (draft ids {draft_ids}); "
+                               f"--layers {self.cfg.layers!r} also asks for {missing}")
+            ids, where = draft_ids, "from the draft config"
+        elif algorithm == "EAGLE" and bounds:
+            raise HsxError(f"under EAGLE SGLang's target computes only the final state; boundaries {list(bounds)} need "
+                           "--spec-algorithm EAGLE3 (its draft's aux layers) or no speculation (aux capture)")
+        elif bounds:
+            captured = bounds
+            ids, where = capture_ids_for(bounds, model_type, num_layers), "return_aux_hidden_state_layer_ids"
+            args.update(enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
+                        return_aux_hidden_state_layer_ids=ids)
+        else:
+            captured = ()
+        aux = algorithm == "EAGLE3" or bool(bounds)
+        where_is = {b: ("hidden", i * unit) for i, b in enumerate(captured)}
+        where_is[FINAL] = ("last", 0) if aux else ("hidden", 0)
+        out_groups, columns = [], []
+        for g in groups:
+            pieces: list[tuple[str, int, int]] = []
+            for s in g.sources:
+                src, start = where_is[s]
+                if pieces and pieces[-1][0] == src and pieces[-1][2] == start:
+                    pieces[-1] = (src, pieces[-1][1], start + unit)  # contiguous: one slice
+                else:
+                    pieces.append((src, start, start + unit))
+            columns.append(Column(g.name, tuple(pieces)))
+            out_groups.append(_annotate(g, ids, captured, where) if g.sources != (FINAL,) else g)
+        widths = {"hidden": unit * len(captured) if aux else unit}
+        if any(p[0] == "last" for c in columns for p in c.pieces):
+            widths["last"] = unit
+            graphs = self.cfg.device != "cpu" and not self.cfg.engine_args.get("disable_cuda_graph", False)
+            if algorithm == "EAGLE3" and graphs:
+                raise HsxError(
+                    "--layers final under --spec-algorithm EAGLE3: SGLang keeps the final state next to the aux "
+                    "states only when told so before its CUDA graphs are captured, and SGLang loads hsx's capture "
+                    "after that, so graph-replayed verify steps would come without it. Add --engine-arg "
+                    "disable_cuda_graph=true, or take final (and the aux layers) from a run without --spec-algorithm")
+        return out_groups, tuple(columns), widths
 
     def _stop_tokens(self) -> set[int]:
         from transformers import GenerationConfig
@@ -232,9 +316,12 @@ class SGLangRunner:
         return stops
 
     def describe(self) -> dict:
-        args = {k: v for k, v in self.plan.engine_args.items() if k != "model_path"}
+        args = {k: v for k, v in self.plan.engine_args.items() if k not in ("model_path", "forward_hooks")}
+        capture = self.plan.capture
         return {"name": "sglang", "version": str(self.sglang.__version__), "torch": torch.__version__,
-                "compute_dtype": self.cfg.model_dtype, "device_type": self.cfg.device, "args": args}
+                "compute_dtype": self.cfg.model_dtype, "device_type": self.cfg.device, "args": args,
+                "capture": "lists" if capture is None else {
+                    "kind": "tensors", "columns": {c.name: [list(p) for p in c.pieces] for c in capture.columns}}}
 
     def describe_speculative(self) -> dict | None:
         if self.plan.algorithm is None:
@@ -253,13 +340,19 @@ class SGLangRunner:
             params["sampling_seed"] = cfg.seed
         return params
 
-    def _generate(self, prompt_ids: list[list[int]]) -> list[dict]:
-        outs = self.engine.generate(input_ids=prompt_ids, sampling_params=self._sampling(), return_hidden_states=True)
+    def _generate(self, prompt_ids: list[list[int]], rids: list[str] | None = None) -> list[dict]:
+        kwargs = {"rid": rids} if rids is not None else {}
+        outs = self.engine.generate(input_ids=prompt_ids, sampling_params=self._sampling(), return_hidden_states=True,
+                                    **kwargs)
         if isinstance(outs, dict):
             outs = [outs]
         if len(outs) != len(prompt_ids):
             raise HsxError(f"sglang returned {len(outs)} outputs for {len(prompt_ids)} requests")
         return outs
+
+    def _new_rids(self, n: int) -> list[str]:
+        first, self._requests = self._requests, self._requests + n
+        return [f"{self.plan.capture.prefix}{first + i}" for i in range(n)]
 
     def run(self, prompts) -> list:
         """One :class:`AlignedSample` or :class:`SampleError` per prompt, in order.
@@ -267,16 +360,29 @@ class SGLangRunner:
         A retracted request is run once more on its own batch; retracted again, it is an error.
         """
         ids = [list(p.input_ids) for p in prompts]
-        outs = self._generate(ids)
+        capture = self.plan.capture
+        rids = self._new_rids(len(ids)) if capture is not None else None
+        outs = self._generate(ids, rids)
         again = [i for i, o in enumerate(outs) if o["meta_info"].get("num_retractions", 0)]
         if again:
-            for i, out in zip(again, self._generate([ids[i] for i in again])):
+            fresh = self._new_rids(len(again)) if capture is not None else None
+            for k, (i, out) in enumerate(zip(again, self._generate([ids[i] for i in again], fresh))):
                 outs[i] = out
-        return [self._convert(p.sample_id, ids[i], outs[i]) for i, p in enumerate(prompts)]
+                if capture is not None:
+                    discard(capture, rids[i])
+                    rids[i] = fresh[k]
+        if capture is None:
+            return [self._convert(p.sample_id, ids[i], outs[i]) for i, p in enumerate(prompts)]
+        samples = []
+        for i, p in enumerate(prompts):
+            try:
+                samples.append(self._from_capture(p.sample_id, rids[i], ids[i], outs[i]))
+            finally:
+                discard(capture, rids[i])
+        return samples
 
-    def _convert(self, sid: str, prompt_ids: list[int], out: dict):
-        """One SGLang output -> AlignedSample, or SampleError naming what was expected and found."""
-        meta = out["meta_info"]
+    def _finish_kind(self, sid: str, meta: dict):
+        """The finish reason, or a SampleError for a retracted or aborted request."""
         retractions = meta.get("num_retractions", 0)
         if retractions:
             return SampleError(sid, f"retracted (preempted) {retractions} time(s) on a second run too; a retracted "
@@ -285,6 +391,65 @@ class SGLangRunner:
         kind = finish.get("type") if isinstance(finish, dict) else str(finish)
         if kind not in ("stop", "length"):
             return SampleError(sid, f"sglang finished the request with {finish!r}")
+        return kind
+
+    def _from_capture(self, sid: str, rid: str, prompt_ids: list[int], out: dict):
+        """One request's capture file + SGLang's output -> AlignedSample, or SampleError naming what differs."""
+        meta = out["meta_info"]
+        kind = self._finish_kind(sid, meta)
+        if isinstance(kind, SampleError):
+            return kind
+        if meta.get("hidden_states"):
+            raise HsxError(f"sample {sid!r}: SGLang returned hidden states as float lists although hsx's capture is "
+                           "selected: the capture is not installed in SGLang's scheduler (forward_hooks)")
+        records = read_records(self.plan.capture, rid)
+        errors = [r.message for r in records if r.kind == ERROR]
+        if errors:
+            return SampleError(sid, f"capture in SGLang's scheduler: {errors[0]}")
+        prefills = [j for j, r in enumerate(records) if r.kind == PREFILL]
+        if prefills != [0]:
+            return SampleError(sid, f"capture holds prefill blocks at records {prefills} of {len(records)}, expected "
+                                    "exactly one, first (a retracted request is prefilled again)")
+        prefill, steps = records[0], records[1:]
+        tokens = np.concatenate([r.tokens for r in records])
+        output = np.asarray(out["output_ids"], dtype=np.int64)
+        completion = int(meta["completion_tokens"])
+        if output.size != completion:
+            return SampleError(sid, f"{output.size} output ids for completion_tokens {completion}")
+        last = steps[-1].tokens.size if steps else prefill.tokens.size
+        if tokens.size < completion or tokens.size - last >= max(completion, 1) \
+                or not np.array_equal(tokens[:completion], output):
+            return SampleError(sid, f"captured tokens {tokens[:completion + 4].tolist()} ({len(steps)} steps) do not "
+                                    f"match SGLang's output_ids {output[:completion + 4].tolist()} ({completion} tokens): "
+                                    "a step's rows are missing or belong to another request")
+        accept = torch.tensor([r.tokens.size for r in steps], dtype=torch.int16)
+        if self.plan.algorithm is not None and self.cfg.mode == "generate":
+            problem = _check_spec_totals(accept, meta)
+            if problem:
+                return SampleError(sid, problem)
+        prompt = torch.tensor(prompt_ids, dtype=torch.int64)
+        names = [g.name for g in self.groups]
+        try:
+            if self.cfg.mode == "prefill":
+                return teacher_forced(prompt, prefill.rows, self.groups, self.store_dtype)
+            collector = Collector(self.groups, self.store_dtype)
+            collector.prefill(sid, prompt, prefill.rows, int(prefill.tokens[0]))
+            if steps:
+                rows = {n: torch.cat([r.rows[n] for r in steps]) for n in names}
+                collector.extend(sid, rows, torch.from_numpy(np.concatenate([r.tokens for r in steps])))
+            sample = collector.finish(sid, completion, kind, speculative=False)
+        except AlignmentError as e:
+            return SampleError(sid, str(e))
+        if self.plan.algorithm is not None:
+            sample.accept_lens = accept
+        return sample
+
+    def _convert(self, sid: str, prompt_ids: list[int], out: dict):
+        """One SGLang output -> AlignedSample, or SampleError naming what was expected and found."""
+        meta = out["meta_info"]
+        kind = self._finish_kind(sid, meta)
+        if isinstance(kind, SampleError):
+            return kind
         hs = meta.get("hidden_states")
         if not isinstance(hs, list) or not hs:
             raise HsxError(f"sample {sid!r}: sglang returned no hidden states (meta_info keys {sorted(meta)})")
@@ -314,6 +479,31 @@ class SGLangRunner:
         return sample
 
 
+def _check_spec_totals(accept: torch.Tensor, meta: dict) -> str | None:
+    """Per-step accept lengths against SGLang's own per-request totals; a message when they differ."""
+    if "spec_verify_ct" not in meta or "spec_correct_drafts_histogram" not in meta:
+        return f"SGLang reported no spec_verify_ct / spec_correct_drafts_histogram (meta_info keys {sorted(meta)})"
+    steps = int(meta["spec_verify_ct"])
+    correct = accept.long() - 1
+    hist = torch.bincount(correct, minlength=1).tolist() if accept.numel() else []
+    theirs = list(meta["spec_correct_drafts_histogram"] or [])
+    trim = lambda h: h[:max((i + 1 for i, v in enumerate(h) if v), default=0)]
+    if steps != accept.numel() or trim(hist) != trim(theirs):
+        return (f"captured {accept.numel()} verify steps with accept lengths {accept.tolist()}, but SGLang counted "
+                f"spec_verify_ct {steps} and correct-draft histogram {theirs}: a step's rows are missing")
+    if "spec_num_correct_drafts" in meta and int(meta["spec_num_correct_drafts"]) != int(correct.sum()):
+        return (f"captured accept lengths {accept.tolist()} hold {int(correct.sum())} correct drafts, SGLang counted "
+                f"{meta['spec_num_correct_drafts']}")
+    return None
+
+
+def _capture_dir() -> str:
+    """A fresh directory for the capture files: in shared memory (/dev/shm) where there is one."""
+    shm = "/dev/shm"
+    base = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+    return tempfile.mkdtemp(prefix="hsx-capture-", dir=base)
+
+
 def _block(rows, width: int, sid: str, what: str) -> np.ndarray:
     """Nested float lists -> one ``[n, width]`` float32 array; a width mismatch stops the run (never reshaped)."""
     try:
@@ -327,11 +517,11 @@ def _block(rows, width: int, sid: str, what: str) -> np.ndarray:
     return block
 
 
-def _annotate(group: LayerGroup, ids, where: str) -> LayerGroup:
-    """Record SGLang's own ids for the group's boundaries in its ``rule``."""
+def _annotate(group: LayerGroup, ids, captured, where: str) -> LayerGroup:
+    """Record SGLang's own ids for the captured boundaries in the group's ``rule``."""
     if ids is None:
         how = "SGLang's default, inputs of blocks [2, L//2, L-3]"
     else:
-        how = "boundary = id" if tuple(ids) == tuple(group.sources) else "boundary = id + 1"
+        how = "boundary = id" if tuple(ids) == tuple(captured) else "boundary = id + 1"
     rule = f"{group.rule}; SGLang capture ids {list(ids) if ids is not None else None} ({where}; {how})"
     return LayerGroup(group.name, group.sources, group.width, group.raw_ids, rule)

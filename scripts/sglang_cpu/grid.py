@@ -9,8 +9,15 @@ accepted run while the others continue) and a prefill-mode cell, and the non-spe
 aux-capture columns. ``max_new_tokens`` is 12 with at most 4 tokens per verify step (1 + 4 + 4 + 4 > 12),
 so the last step overshoots and must be trimmed. fp32, greedy.
 
-Each cell checks, per request, against an independent teacher-forced forward (``tests/oracle.py``):
-``len(hidden_states) == completion_tokens``; the tokens are plain greedy (every completion token is
+By default (``--capture tensors``) every engine runs hsx's capture with every column it can take from
+one forward (EAGLE ``final``; EAGLE3 ``final,eagle3,b4``; plain ``final`` and ``final,eagle3,b5``),
+with SGLang's float-list builders made to raise (``HSX_LANE_FORBID_LISTS=1``); ``--capture lists``
+runs SGLang's lists, one column per engine.
+
+Each cell checks, per request and column, against an independent teacher-forced forward
+(``tests/oracle.py``): with the capture, an empty float list and ``accept_lens`` (int16, one per
+``spec_verify_ct``, covering the completion); with lists, ``len(hidden_states) ==
+completion_tokens``; the tokens are plain greedy (every completion token is
 the argmax of the oracle's logits at the previous position, and the run ends on eos or at
 max_new_tokens); P + C - 1 rows (P + C in prefill mode) at positions 0..; every row within 1e-4 of
 the oracle relative to the largest oracle value; under EAGLE3 the columns are boundaries 2, 4, 6 for
@@ -92,6 +99,9 @@ class EngineSpy:
     def shutdown(self):
         self.engine.shutdown()
 
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
 
 def make_prompts(models: SpecModels, regime: str, lengths: list[int], seed: int, tag: str) -> list[Prompt]:
     """Random ordinary tokens, the last from ``regime``'s class (it decides the regime of the completion)."""
@@ -113,15 +123,37 @@ class Oracle:
         self.model = AutoModelForCausalLM.from_pretrained(models.target, dtype=torch.float32).eval()
         self.eos = int(self.model.config.eos_token_id)
 
-    def check(self, cell: Cell, prompt: Prompt, sample, raw: dict, group, mode: str, off_by_one=None) -> None:
+    def check(self, cell: Cell, prompt: Prompt, sample, raw: dict, groups, mode: str, capture: str,
+              algorithm: str | None) -> None:
         sid = prompt.sample_id
         meta = raw["meta_info"]
         hs, completion = meta.get("hidden_states") or [], int(meta["completion_tokens"])
-        if len(hs) != completion:
+        if capture == "lists" and len(hs) != completion:
             cell.failures.append(f"{sid}: {len(hs)} hidden-state entries for completion_tokens {completion}")
+        if capture == "tensors" and hs:
+            cell.failures.append(f"{sid}: SGLang returned {len(hs)} float-list entries under hsx's capture")
         if not isinstance(sample, AlignedSample):
             cell.failures.append(f"{sid}: hsx refused the output: {sample.reason}")
             return
+        if capture == "tensors" and algorithm is not None and mode == "generate":
+            a = sample.accept_lens
+            if a is None or a.dtype != torch.int16 or a.numel() != int(meta.get("spec_verify_ct", -1)):
+                cell.failures.append(f"{sid}: accept_lens {None if a is None else a.tolist()} for spec_verify_ct "
+                                     f"{meta.get('spec_verify_ct')}")
+                return
+            decoded = len(sample.input_ids) - len(prompt.input_ids) - 1
+            if int(a.sum()) < decoded or int(a.sum()) - int(a[-1]) >= max(decoded, 1):
+                cell.failures.append(f"{sid}: accept lengths {a.tolist()} for {decoded} decoded tokens")
+        for group in groups:
+            # under EAGLE3 the draft's ids [1, 3, 5] must be read with SGLang's +1: not boundaries 1, 3, 5
+            off_by_one = tuple(s - 1 for s in group.sources) if algorithm == "EAGLE3" and group.name == "eagle3" else None
+            self._check_rows(cell, prompt, sample, group, mode, off_by_one)
+        if mode == "generate" and (sample.verify_steps or sample.accept_lens is not None):
+            cell.tokens += len(sample.input_ids) - len(prompt.input_ids) - 1
+            cell.verify_steps += sample.accept_lens.numel() if sample.accept_lens is not None else sample.verify_steps
+
+    def _check_rows(self, cell: Cell, prompt: Prompt, sample, group, mode: str, off_by_one=None) -> None:
+        sid = prompt.sample_id
         ids, P = sample.input_ids, len(prompt.input_ids)
         if ids[:P].tolist() != prompt.input_ids:
             cell.failures.append(f"{sid}: stored prompt differs from the request")
@@ -140,16 +172,13 @@ class Oracle:
         cell.worst, cell.rows = max(cell.worst, err), cell.rows + rows.shape[0]
         if err > TOLERANCE:
             bad = int(((rows - ref).abs().amax(-1) > TOLERANCE * scale).nonzero()[0])
-            cell.failures.append(f"{sid}: rows off by {err:.2e} (relative) from position {bad}")
+            cell.failures.append(f"{sid}: column {group.name}: rows off by {err:.2e} (relative) from position {bad}")
         if off_by_one is not None:
             shifted = torch.cat([src[s] for s in off_by_one], -1)[:want_rows]
             miss = float((rows - shifted).abs().max()) / scale
             cell.off_by_one = miss if cell.off_by_one is None else min(cell.off_by_one, miss)
             if miss < OFF_BY_ONE_MIN:
                 cell.failures.append(f"{sid}: rows also match boundaries {list(off_by_one)} ({miss:.2e})")
-        if mode == "generate" and sample.verify_steps:
-            cell.tokens += len(ids) - P - 1
-            cell.verify_steps += sample.verify_steps
 
     def _check_greedy(self, cell, sid, ids, P, logits, mode) -> None:
         if mode == "prefill":
@@ -167,11 +196,16 @@ class Oracle:
                                  f"stopped at eos nor at max_new_tokens {MAX_NEW_TOKENS}")
 
 
-def start(models: SpecModels, algorithm: str | None, topk: int, draft_tokens: int, layers: str) -> SGLangRunner:
+def start(models: SpecModels, algorithm: str | None, topk: int, draft_tokens: int, layers: str,
+          capture: str) -> SGLangRunner:
     draft = {"EAGLE": models.eagle, "EAGLE3": models.eagle3}.get(algorithm)
+    # with hsx's capture, SGLang's float-list builders raise in the scheduler (read there at start);
+    # HSX_LANE_FORBID_LISTS_FOR_LISTS=1 arms them for the list path too (the tripwire's own test)
+    forbid = capture == "tensors" or os.environ.get("HSX_LANE_FORBID_LISTS_FOR_LISTS") == "1"
+    os.environ["HSX_LANE_FORBID_LISTS"] = "1" if forbid else "0"
     cfg = ExtractConfig(model=str(models.target), engine="sglang", device="cpu", model_dtype="float32",
-                        dtype="float32", layers=layers, max_new_tokens=MAX_NEW_TOKENS, seed=0,
-                        eagle3_layer_ids=[1, 3, 5] if layers == "eagle3" else None,
+                        dtype="float32", layers=layers, max_new_tokens=MAX_NEW_TOKENS, seed=0, sglang_capture=capture,
+                        eagle3_layer_ids=[1, 3, 5] if "eagle3" in layers else None,
                         spec_algorithm=algorithm, draft_model=str(draft) if draft else None,
                         spec_num_steps=3 if algorithm else None, spec_topk=topk if algorithm else None,
                         spec_num_draft_tokens=draft_tokens if algorithm else None, engine_args=dict(CPU_ENGINE_ARGS))
@@ -184,15 +218,13 @@ def run_cell(oracle: Oracle, runner: SGLangRunner, cell: Cell, prompts: list[Pro
     if mode != runner.cfg.mode:
         runner = copy.copy(runner)
         runner.cfg = dataclasses.replace(runner.cfg, mode=mode)
-    group = runner.groups[0]
-    off_by_one = tuple(s - 1 for s in group.sources) if runner.plan.algorithm == "EAGLE3" else None
     runner.engine.calls.clear()
     samples = runner.run(prompts)
     if len(runner.engine.calls) != 1:  # hsx re-runs retracted requests; the grid's memory settings never retract
         cell.failures.append(f"{len(runner.engine.calls)} generate calls for one batch (a request was retracted)")
         return cell
     for prompt, sample, raw in zip(prompts, samples, runner.engine.calls[0], strict=True):
-        oracle.check(cell, prompt, sample, raw, group, mode, off_by_one)
+        oracle.check(cell, prompt, sample, raw, runner.groups, mode, runner.cfg.sglang_capture, runner.plan.algorithm)
     return cell
 
 
@@ -210,10 +242,10 @@ def engine_cells(oracle, models, label, runner, stop_tail: int, seed: int) -> li
     return cells
 
 
-def run_engine(oracle, models, algorithm, topk, draft_tokens, layers, seed) -> list[Cell]:
+def run_engine(oracle, models, algorithm, topk, draft_tokens, layers, seed, capture) -> list[Cell]:
     label = f"{algorithm or 'plain'} {layers}" + (f" topk{topk}/{draft_tokens}" if algorithm else "")
     t0 = time.perf_counter()
-    runner = start(models, algorithm, topk, draft_tokens, layers)
+    runner = start(models, algorithm, topk, draft_tokens, layers, capture)
     started = time.perf_counter() - t0
     try:
         if algorithm:
@@ -270,7 +302,7 @@ def negative_control(oracle, models, seed) -> bool:
 
     cpu_lane.stubs.provide(cpu_lane.kernels.OPS)  # this process too, in case SGLang forks
     try:
-        runner = start(models, "EAGLE", 1, 4, "final")
+        runner = start(models, "EAGLE", 1, 4, "final", "lists")
         try:
             cell = run_cell(oracle, runner, Cell("EAGLE final topk1/4", f"control: {op} silent", "follow"),
                             make_prompts(models, "follow", BATCHES[5], seed + 55, "control"))
@@ -297,21 +329,28 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="one EAGLE and one EAGLE3 engine (topk 2 / 6) only")
     ap.add_argument("--skip-control", action="store_true")
     ap.add_argument("--engines", help="comma-separated ALGORITHM:TOPK to run (e.g. EAGLE:1,None:1), default all")
+    ap.add_argument("--capture", choices=["tensors", "lists"], default="tensors",
+                    help="hsx's capture in SGLang's scheduler (default; several columns, accept lengths) or "
+                         "SGLang's float lists (one column per engine)")
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
     t0 = time.perf_counter()
     work = args.work or Path(tempfile.mkdtemp(prefix="hsx-grid-"))
     models = build_spec_models(work / "models")
     oracle = Oracle(models)
-    engines = [(a, t, d, "eagle3" if a == "EAGLE3" else "final") for a in ("EAGLE", "EAGLE3") for t, d in TREES]
-    engines += [(None, 1, 1, "final"), (None, 1, 1, "eagle3")]
+    if args.capture == "tensors":  # every column hsx can take from one forward
+        engines = [(a, t, d, "final,eagle3,b4" if a == "EAGLE3" else "final") for a in ("EAGLE", "EAGLE3") for t, d in TREES]
+        engines += [(None, 1, 1, "final"), (None, 1, 1, "final,eagle3,b5")]
+    else:
+        engines = [(a, t, d, "eagle3" if a == "EAGLE3" else "final") for a in ("EAGLE", "EAGLE3") for t, d in TREES]
+        engines += [(None, 1, 1, "final"), (None, 1, 1, "eagle3")]
     if args.quick:
         engines = [(a, 2, 6, layers) for a, _, _, layers in engines[::3][:2]]
     if args.engines:
         engines = [e for e in engines if f"{e[0]}:{e[1]}" in args.engines.split(",")]
     cells = []
     for i, (algorithm, topk, draft_tokens, layers) in enumerate(engines):
-        cells += run_engine(oracle, models, algorithm, topk, draft_tokens, layers, seed=1000 * i)
+        cells += run_engine(oracle, models, algorithm, topk, draft_tokens, layers, seed=1000 * i, capture=args.capture)
     print_table(cells)
     acc = accept_by_regime(cells)
     print("\nmean accept length (tokens per verify step):")

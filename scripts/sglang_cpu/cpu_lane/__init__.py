@@ -15,6 +15,11 @@ Test-only code: the ``hsx`` package never imports it. What it does, and nothing 
    container, and the draft-extend backend) instead of raising "EAGLE is not supported in
    decode attention backend torch_native".
 
+6. With ``HSX_LANE_FORBID_LISTS=1``: SGLang's two float-list builders
+   (``_append_prefill_hidden_states``, ``_append_decode_hidden_states`` of the result processor)
+   raise ``LaneListPathTaken``, so a run that selects hsx's capture fails if SGLang's list path
+   is taken anyway.
+
 All of it names 0.5.23's private modules; another SGLang version is refused.
 """
 
@@ -40,6 +45,7 @@ def install() -> None:
         sys.meta_path.insert(0, _AfterImport({
             "sglang.srt.layers.attention.attention_registry": _register_torch_native,
             "sglang.srt.speculative.draft_utils": _teach_draft_factory,
+            "sglang.srt.managers.scheduler_components.batch_result_processor": _forbid_lists,
         }))
 
 
@@ -102,3 +108,22 @@ def _teach_draft_factory(draft_utils) -> None:
         return create(self, backend_name, backend_map, error_template, stamps_children)
 
     factory._create_backend = _create_backend
+
+
+class LaneListPathTaken(RuntimeError):
+    """SGLang built hidden-state float lists in a run that forbade them (HSX_LANE_FORBID_LISTS=1)."""
+
+
+def _forbid_lists(brp) -> None:
+    if os.environ.get("HSX_LANE_FORBID_LISTS") != "1":
+        return
+    proc = brp.SchedulerBatchResultProcessor
+
+    def tripwire(name):
+        def taken(*args, **kwargs):
+            raise LaneListPathTaken(f"SGLang's {name} ran (.cpu().tolist() of hidden states) although "
+                                    "HSX_LANE_FORBID_LISTS=1: hsx's capture let the list path through")
+        return staticmethod(taken) if isinstance(proc.__dict__[name], staticmethod) else taken
+
+    for name in ("_append_prefill_hidden_states", "_append_decode_hidden_states"):
+        setattr(proc, name, tripwire(name))

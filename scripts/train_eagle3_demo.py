@@ -16,6 +16,8 @@ One prediction step per position (no multi-step test-time-training unroll).
 Measured and written to JSON: the training loss (first vs last steps), and top-1 agreement with
 the target (draft argmax == target argmax) on held-out samples, split by sample id, for the
 untrained head (same initialisation), the trained head, and a constant most-frequent-token guess.
+``--save-head DIR`` also writes the trained head in SGLang's ``LlamaForCausalLMEagle3`` format, so
+``--engine sglang --spec-algorithm EAGLE3 --draft-model DIR`` can draft with it.
 """
 
 from __future__ import annotations
@@ -87,6 +89,48 @@ class DraftHead(nn.Module):
         return self.lm_head(self.norm(h))  # [B, T, V]
 
 
+def export_sglang_head(model: DraftHead, out: Path, target: str, aux_boundaries, norm_before_fc: bool) -> Path:
+    """Write the head in SGLang's ``LlamaForCausalLMEagle3`` format (config.json + model.safetensors).
+
+    Same computation, SGLang's names and conventions: this head rotates interleaved pairs (2i, 2i+1)
+    of each head, SGLang's Llama rotates halves (i, i + d/2) at the same frequencies, so the q and k
+    rows of every head are reordered (scores are unchanged). SGLang captures boundary ``id + 1`` for
+    a Llama target, so the aux ids are the boundaries minus one. Full draft vocabulary: d2t = 0.
+    """
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    tcfg = AutoConfig.from_pretrained(target)
+    H, heads, V = model.hidden, model.heads, model.lm_head.weight.shape[0]
+    d = H // heads
+    halves = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])  # neox position -> interleaved position
+    rows = (torch.arange(heads)[:, None] * d + halves[None]).flatten()
+    q, k, v = model.qkv.weight.detach().chunk(3, dim=0)
+    gate, up = model.up.weight.detach().chunk(2, dim=0)
+    w = {"fc.weight": model.fc.weight, "midlayer.input_layernorm.weight": model.emb_norm.weight,
+         "midlayer.hidden_norm.weight": model.hid_norm.weight, "midlayer.self_attn.q_proj.weight": q[rows],
+         "midlayer.self_attn.k_proj.weight": k[rows], "midlayer.self_attn.v_proj.weight": v,
+         "midlayer.self_attn.o_proj.weight": model.o.weight, "midlayer.post_attention_layernorm.weight": model.mlp_norm.weight,
+         "midlayer.mlp.gate_proj.weight": gate, "midlayer.mlp.up_proj.weight": up, "midlayer.mlp.down_proj.weight": model.down.weight,
+         "norm.weight": model.norm.weight, "lm_head.weight": model.lm_head.weight, "embed_tokens.weight": model.embed.weight,
+         "d2t": torch.zeros(V, dtype=torch.int64), "t2d": torch.ones(V, dtype=torch.bool)}
+    if model.aux_norm is not None:
+        w["input_norm.weight"] = model.aux_norm.weight
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
+              "intermediate_size": model.down.weight.shape[1], "num_attention_heads": heads, "num_key_value_heads": heads,
+              "head_dim": d, "num_hidden_layers": 1, "vocab_size": V, "draft_vocab_size": V, "target_hidden_size": H,
+              "rms_norm_eps": model.norm.eps, "hidden_act": "silu", "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+              "max_position_embeddings": tcfg.max_position_embeddings, "tie_word_embeddings": False, "torch_dtype": "float32",
+              "bos_token_id": tcfg.bos_token_id, "eos_token_id": tcfg.eos_token_id, "pad_token_id": tcfg.pad_token_id,
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": [b - 1 for b in aux_boundaries],
+                               "use_aux_hidden_state": True, "norm_before_fc": norm_before_fc}}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.detach().float().contiguous() if t.is_floating_point() else t.contiguous() for n, t in w.items()},
+              str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out
+
+
 def load_target_head(path: str):
     from transformers import AutoModelForCausalLM
 
@@ -138,7 +182,7 @@ def constant_guess(train, test, lm_head_w) -> dict:
 
 def run(shards: str, steps: int = 300, batch: int = 8, lr: float = 3e-3, held_out: float = 0.2, seed: int = 0,
         target: str | None = None, draft_config: str | None = None, norm_before_fc: bool | None = None,
-        threads: int = 2, log_every: int = 50) -> dict:
+        threads: int = 2, log_every: int = 50, save_head: str | None = None) -> dict:
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     draft = load_draft_config(draft_config)
@@ -198,6 +242,9 @@ def run(shards: str, steps: int = 300, batch: int = 8, lr: float = 3e-3, held_ou
         "seconds": time.perf_counter() - t0,
         "threads": threads,
     }
+    if save_head:
+        result["sglang_head"] = str(export_sglang_head(model, Path(save_head), target, train_ds.layout.aux_boundaries,
+                                                       norm_before_fc))
     ho = result["held_out_top1"]
     if ho["constant_guess"]["top1"] >= ho["trained"]["top1"]:
         result["note"] = ("a constant guess agrees with the target as often as the trained head: the target's top-1 "
@@ -218,8 +265,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None, help="write the results here (default: SHARDS/../eagle3_train.json)")
+    p.add_argument("--save-head", default=None, help="also write the trained head here in SGLang's EAGLE3 format")
     a = p.parse_args(argv)
-    result = run(a.shards, a.steps, a.batch, a.lr, a.held_out, a.seed, a.target, a.draft_config, a.norm_before_fc, a.threads)
+    result = run(a.shards, a.steps, a.batch, a.lr, a.held_out, a.seed, a.target, a.draft_config, a.norm_before_fc, a.threads,
+                 save_head=a.save_head)
     out = Path(a.out) if a.out else Path(a.shards).resolve().parent / "eagle3_train.json"
     out.write_text(json.dumps(result, indent=1))
     ho = result["held_out_top1"]

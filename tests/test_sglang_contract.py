@@ -12,8 +12,6 @@ written out here rather than taken from hsx, so the adapter's translation is che
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -35,7 +33,6 @@ from hsx.shards.manifest import load_manifest
 
 NUM_LAYERS = 8
 HIDDEN = 64
-ROOT = Path(__file__).resolve().parents[1]
 
 ROWS = [
     {"id": "chat-a", "messages": [{"role": "user", "content": "How do tides work?"}]},
@@ -450,19 +447,3 @@ def test_capture_ids_round_trip(model_type, boundaries):
 def test_capture_ids_refused(model_type, boundaries):
     with pytest.raises(HsxError):
         capture_ids_for(boundaries, model_type, 32)
-
-
-# ---- the real SGLang lane (opt-in) ------------------------------------------------------------
-
-
-@pytest.mark.sglang
-def test_real_sglang_cpu_check():
-    """Runs only with HSX_SGLANG_CHECK=1 and a venv built by the script (minutes of CPU)."""
-    if os.environ.get("HSX_SGLANG_CHECK") != "1":
-        pytest.skip("the real SGLang lane is opt-in: HSX_SGLANG_CHECK=1 pytest -m sglang")
-    venv = Path(os.environ.get("HSX_SGLANG_VENV", ROOT / ".venv-sglang"))
-    if not (venv / ".hsx-sglang-installed").exists():
-        pytest.skip(f"no SGLang venv at {venv}: run scripts/sglang_cpu_check.sh once to build it")
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "sglang_cpu_check.sh")], capture_output=True, text=True,
-                          timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -361,3 +361,31 @@ def test_head_reads_the_next_token_with_the_aux_state_at_each_position(built, sp
             steps_in_tree = 0 if hid.shape[-1] == width else steps_in_tree + 1
         assert extends == sample.accept_lens.numel()
         assert steps == sample.accept_lens.numel() * (spec.num_steps - 1)
+
+
+def test_sglang_entry_point_checks_target_and_head_before_starting(built, saved_llama, tmp_path, monkeypatch):
+    import sys
+
+    from hsx.config import ExtractConfig
+    from hsx.engine.sglang import SGLangRunner
+
+    monkeypatch.setitem(sys.modules, "sglang", None)  # the checks come first: SGLang is never imported
+    models, _, _ = built
+    bad = tmp_path / "bad"
+    shutil.copytree(saved_llama, bad)
+    w = load_file(str(bad / "model.safetensors"))
+    del w["model.norm.weight"]
+    save_file(w, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    cfg = ExtractConfig(model=str(bad), dataset="x", layers="final", engine="sglang")
+    with pytest.raises(HsxError, match=r"target model .*model\.norm\.weight"):
+        SGLangRunner(cfg)
+    head = edited_head(models.eagle3, tmp_path / "head", drop=["midlayer.hidden_norm.weight"])
+    cfg = ExtractConfig(model=str(models.target), draft_model=str(head), dataset="x", layers="eagle3",
+                        engine="sglang", spec_algorithm="EAGLE3")
+    with pytest.raises(HsxError, match=r"missing \['midlayer\.hidden_norm\.weight'\]"):
+        SGLangRunner(cfg)
+    # a complete pair passes the checks and gets as far as importing SGLang
+    cfg = ExtractConfig(model=str(models.target), draft_model=str(models.eagle3), dataset="x", layers="eagle3",
+                        engine="sglang", spec_algorithm="EAGLE3")
+    with pytest.raises(HsxError, match=r"pip install 'hsx\[sglang\]'"):
+        SGLangRunner(cfg)

@@ -243,3 +243,13 @@ def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool = Fals
                                                        attn_implementation=impl, output_loading_info=True)
     refuse_incomplete_load(path, info, what)
     return model
+
+
+def check_checkpoint(path: str, what: str = "model", trust_remote_code: bool = False) -> None:
+    """The same completeness check as :func:`load_causal_lm` without reading any weight: transformers
+    builds the model on the meta device and reports which checkpoint keys it could not place."""
+    from transformers import AutoModelForCausalLM
+
+    _, info = AutoModelForCausalLM.from_pretrained(path, device_map="meta", trust_remote_code=trust_remote_code,
+                                                   output_loading_info=True)
+    refuse_incomplete_load(path, info, what)

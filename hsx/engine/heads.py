@@ -175,14 +175,8 @@ class Eagle3Head(nn.Module):
         return _Out(logits, normed if self.norm_output else out)
 
 
-def load_eagle3_head(path: str | Path, target, dtype: torch.dtype) -> Eagle3Head:
-    """Build and fill a head for ``target`` (a transformers causal LM); refuse anything it cannot run exactly."""
-    from safetensors import safe_open
-
-    path = Path(path)
+def _check_config(path: Path, config: dict, tcfg) -> None:
     where = f"EAGLE3 head {str(path)!r}"
-    config = json.loads((path / "config.json").read_text())
-    tcfg = target.config.get_text_config(decoder=True)
     V, L, Ht = int(tcfg.vocab_size), int(tcfg.num_hidden_layers), int(tcfg.hidden_size)
     if int(config.get("num_hidden_layers", 1)) != 1:
         raise HsxError(f"{where}: num_hidden_layers = {config.get('num_hidden_layers')}; one layer (midlayer) is supported")
@@ -202,19 +196,10 @@ def load_eagle3_head(path: str | Path, target, dtype: torch.dtype) -> Eagle3Head
     ids = aux_layer_ids(config)
     if ids is not None and (len(ids) == 0 or any(not 0 <= i < L for i in ids)):
         raise HsxError(f"{where}: eagle_aux_hidden_state_layer_ids {ids} outside 0..{L - 1} for a {L}-layer target")
-    head = Eagle3Head(config, target.get_input_embeddings(), V, str(path))
-    if head.target_hidden * head.num_aux == head.hidden_size:
-        raise HsxError(f"{where}: {head.num_aux} aux states of width {head.target_hidden} are as wide as the head "
-                       f"({head.hidden_size}); SGLang would skip fc on them")
 
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise HsxError(f"{where}: no *.safetensors weights")
-    weights = {}
-    for f in files:
-        with safe_open(str(f), "pt") as sf:
-            for k in sf.keys():
-                weights[k] = sf.get_tensor(k)
+
+def _expected(head: Eagle3Head) -> dict[str, torch.Tensor]:
+    """Checkpoint name -> the head's parameter it fills."""
     params = {"fc.weight": head.fc.weight, "norm.weight": head.norm.weight, "lm_head.weight": head.lm_head.weight}
     if head.fc.bias is not None:
         params["fc.bias"] = head.fc.bias
@@ -222,24 +207,78 @@ def load_eagle3_head(path: str | Path, target, dtype: torch.dtype) -> Eagle3Head
         params["input_norm.weight"] = head.input_norm.weight
     for k in _LAYER:
         params[k] = head.get_parameter(k.removeprefix("midlayer.").replace("self_attn.", "").replace("mlp.", ""))
-    missing = sorted(set(params) - set(weights))
-    if "d2t" not in weights and head.draft_vocab != V:
+    return params
+
+
+def _weight_files(path: Path) -> list[Path]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise HsxError(f"EAGLE3 head {str(path)!r}: no *.safetensors weights")
+    return files
+
+
+def _check_weights(path: Path, head: Eagle3Head, shapes: dict[str, tuple]) -> None:
+    where = f"EAGLE3 head {str(path)!r}"
+    params = _expected(head)
+    missing = sorted(set(params) - set(shapes))
+    if "d2t" not in shapes and head.draft_vocab != head.target_vocab:
         missing.append("d2t")
-    unexpected = sorted(set(weights) - set(params) - {"d2t", *_IGNORED})
-    wrong = [f"{k} (checkpoint {tuple(weights[k].shape)}, head {tuple(p.shape)})" for k, p in params.items()
-             if k in weights and tuple(weights[k].shape) != tuple(p.shape)]
+    unexpected = sorted(set(shapes) - set(params) - {"d2t", *_IGNORED})
+    wrong = [f"{k} (checkpoint {tuple(shapes[k])}, head {tuple(p.shape)})" for k, p in params.items()
+             if k in shapes and tuple(shapes[k]) != tuple(p.shape)]
+    if "d2t" in shapes and tuple(shapes["d2t"]) != (head.draft_vocab,):
+        wrong.append(f"d2t (checkpoint {tuple(shapes['d2t'])}, draft_vocab_size {head.draft_vocab})")
     if missing or unexpected or wrong:
         parts = ([f"missing {missing}"] if missing else []) + ([f"unexpected {unexpected}"] if unexpected else []) \
             + ([f"wrong shape: {', '.join(wrong)}"] if wrong else [])
         raise HsxError(f"{where}: weights do not match its config: " + "; ".join(parts))
+
+
+def _build(path: Path, target_config, target_embed) -> tuple[Eagle3Head, dict]:
+    config = json.loads((path / "config.json").read_text())
+    tcfg = target_config.get_text_config(decoder=True)
+    _check_config(path, config, tcfg)
+    head = Eagle3Head(config, target_embed, int(tcfg.vocab_size), str(path))
+    if head.target_hidden * head.num_aux == head.hidden_size:
+        raise HsxError(f"EAGLE3 head {str(path)!r}: {head.num_aux} aux states of width {head.target_hidden} are as "
+                       f"wide as the head ({head.hidden_size}); SGLang would skip fc on them")
+    return head, config
+
+
+def check_eagle3_head(path: str | Path, target_config) -> None:
+    """Every check :func:`load_eagle3_head` makes that needs no weights read (shapes from the file headers)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    with torch.device("meta"):
+        head, _ = _build(path, target_config, None)
+    shapes = {}
+    for f in _weight_files(path):
+        with safe_open(str(f), "pt") as sf:
+            shapes.update({k: tuple(sf.get_slice(k).get_shape()) for k in sf.keys()})
+    _check_weights(path, head, shapes)
+
+
+def load_eagle3_head(path: str | Path, target, dtype: torch.dtype) -> Eagle3Head:
+    """Build and fill a head for ``target`` (a transformers causal LM); refuse anything it cannot run exactly."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    where = f"EAGLE3 head {str(path)!r}"
+    head, _ = _build(path, target.config, target.get_input_embeddings())
+    V = head.target_vocab
+    weights = {}
+    for f in _weight_files(path):
+        with safe_open(str(f), "pt") as sf:
+            for k in sf.keys():
+                weights[k] = sf.get_tensor(k)
+    _check_weights(path, head, {k: tuple(v.shape) for k, v in weights.items()})
+    params = _expected(head)
     with torch.no_grad():
         for k, p in params.items():
             p.copy_(weights[k].to(p.dtype))
         if "d2t" in weights:
-            d2t = weights["d2t"].to(torch.long).reshape(-1)
-            if d2t.numel() != head.draft_vocab:
-                raise HsxError(f"{where}: d2t has {d2t.numel()} entries, draft_vocab_size is {head.draft_vocab}")
-            hot = torch.arange(head.draft_vocab) + d2t
+            hot = torch.arange(head.draft_vocab) + weights["d2t"].to(torch.long).reshape(-1)
             if int(hot.min()) < 0 or int(hot.max()) >= V:
                 raise HsxError(f"{where}: d2t maps draft ids to target ids outside 0..{V - 1}")
             if hot.unique().numel() != hot.numel():

@@ -246,10 +246,16 @@ def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool = Fals
 
 
 def check_checkpoint(path: str, what: str = "model", trust_remote_code: bool = False) -> None:
-    """The same completeness check as :func:`load_causal_lm` without reading any weight: transformers
-    builds the model on the meta device and reports which checkpoint keys it could not place."""
+    """The same completeness check as :func:`load_causal_lm` for an engine that loads the weights itself:
+    transformers builds the model on the meta device (reading no weight) and reports which checkpoint
+    keys it could not place."""
+    import importlib.util
+
     from transformers import AutoModelForCausalLM
 
-    _, info = AutoModelForCausalLM.from_pretrained(path, device_map="meta", trust_remote_code=trust_remote_code,
-                                                   output_loading_info=True)
+    # the meta device needs accelerate; without it the check loads the weights on the CPU once
+    where = {"device_map": "meta"} if importlib.util.find_spec("accelerate") else {"dtype": "auto"}
+    model, info = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code,
+                                                       output_loading_info=True, **where)
+    del model
     refuse_incomplete_load(path, info, what)

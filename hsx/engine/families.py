@@ -205,9 +205,32 @@ class _Recorder:
 
 # ---- loading ---------------------------------------------------------------------------------
 
-def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool = False):
+def refuse_incomplete_load(path: str, info: dict, what: str) -> None:
+    """Refuse a checkpoint whose load left parameters missing (randomly initialised) or brought weights
+    the architecture has no place for, from transformers' own loading report (``output_loading_info``)."""
+    problems = []
+    for key, label in (("missing_keys", "missing (would be randomly initialised)"),
+                       ("unexpected_keys", "unexpected (the architecture has no place for them)")):
+        keys = sorted(info.get(key) or ())
+        if keys:
+            shown = ", ".join(keys[:8]) + (f", ... ({len(keys)} in all)" if len(keys) > 8 else "")
+            problems.append(f"{len(keys)} weights {label}: {shown}")
+    mismatched = sorted(info.get("mismatched_keys") or ())
+    if mismatched:
+        problems.append("weights of the wrong shape: " + ", ".join(f"{k} (checkpoint {tuple(a)}, model {tuple(b)})"
+                                                                   for k, a, b in mismatched[:8]))
+    if info.get("error_msgs"):
+        problems.append("load errors: " + "; ".join(str(m) for m in info["error_msgs"][:4]))
+    if problems:
+        raise HsxError(f"{what} {path!r} does not match its architecture: " + "; ".join(problems))
+
+
+def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool = False, what: str = "model"):
     """``AutoModelForCausalLM.from_pretrained`` with an attention implementation that takes the engine's
-    masks: sdpa where the family supports it, else eager (Gemma 2 and GPT-OSS: soft-capping and sinks)."""
+    masks: sdpa where the family supports it, else eager (Gemma 2 and GPT-OSS: soft-capping and sinks).
+
+    The load must be complete: a missing, unexpected or mis-shaped weight is refused with the keys named.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -216,5 +239,23 @@ def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool = Fals
     except KeyError:  # remote code: let transformers choose, the engine refuses what it cannot mask
         cls = None
     impl = None if cls is None else ("sdpa" if getattr(cls, "_supports_sdpa", False) else "eager")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                attn_implementation=impl)
+    model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                       attn_implementation=impl, output_loading_info=True)
+    refuse_incomplete_load(path, info, what)
+    return model
+
+
+def check_checkpoint(path: str, what: str = "model", trust_remote_code: bool = False) -> None:
+    """The same completeness check as :func:`load_causal_lm` for an engine that loads the weights itself:
+    transformers builds the model on the meta device (reading no weight) and reports which checkpoint
+    keys it could not place."""
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM
+
+    # the meta device needs accelerate; without it the check loads the weights on the CPU once
+    where = {"device_map": "meta"} if importlib.util.find_spec("accelerate") else {"dtype": "auto"}
+    model, info = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code,
+                                                       output_loading_info=True, **where)
+    del model
+    refuse_incomplete_load(path, info, what)

@@ -29,7 +29,8 @@ import torch
 from transformers import DynamicCache
 
 from hsx.align import FINAL, AlignedSample, Collector, LayerGroup, ModelShape, parse_layers, teacher_forced
-from hsx.engine.families import AttentionPlan, Layout, check_layout, find_layout, load_causal_lm
+from hsx.engine.families import FULL, AttentionPlan, Layout, check_layout, find_layout, load_causal_lm
+from hsx.engine.heads import Eagle3Head, aux_layer_ids, head_kind, load_eagle3_head
 from hsx.errors import HsxError
 
 
@@ -121,7 +122,7 @@ class _NormTap:
         self.handle.remove()
 
 
-def _forward(driven: _Driven, input_ids, q_pos, k_pos, visible, cache, hidden: bool):
+def _forward(driven: _Driven, input_ids, q_pos, k_pos, visible, cache, hidden: bool, **extra):
     """One forward of ``input_ids [B, q]`` at positions ``q_pos [B, q]`` that sees the key slots
     (at positions ``k_pos [B, K]``, the new ones last) where ``visible [B, q, K]``."""
     batch, q = input_ids.shape
@@ -137,6 +138,7 @@ def _forward(driven: _Driven, input_ids, q_pos, k_pos, visible, cache, hidden: b
         cache=cache,
         use_cache=cache is not None,
         output_hidden_states=hidden,
+        **extra,
     )
 
 
@@ -160,13 +162,14 @@ class _KV:
     def lengths(self) -> torch.Tensor:
         return self.valid.sum(1)  # [B] tokens seen == position of the next token
 
-    def run(self, input_ids, positions, block, hidden: bool = False):
+    def run(self, input_ids, positions, block, hidden: bool = False, **extra):
         """Forward ``input_ids [B, q]`` at ``positions [B, q]``; ``block [B, q, uncommitted + q]`` is
         visibility among new slots."""
         batch, q = input_ids.shape
         seen = self.valid[:, None, :].expand(batch, q, -1)  # [B, q, S]
         self.pos = torch.cat([self.pos, positions], 1)
-        return _forward(self.driven, input_ids, positions, self.pos, torch.cat([seen, block], 2), self.cache, hidden)
+        return _forward(self.driven, input_ids, positions, self.pos, torch.cat([seen, block], 2), self.cache, hidden,
+                        **extra)
 
     def commit(self, keep: torch.Tensor) -> None:
         """Keep the slots appended since the last commit where ``keep [B, n]``; drop the rest.
@@ -259,6 +262,8 @@ class _State:
     pending: torch.Tensor  # [B, a]
     pending_len: torch.Tensor  # [B]
     n_out: torch.Tensor  # [B] completion tokens so far (CPU)
+    # EAGLE3 head as draft: the target's aux states at the pending tokens' parents, [B, a, K * H]
+    pending_aux: torch.Tensor | None = None
 
     @property
     def root(self) -> torch.Tensor:
@@ -273,6 +278,7 @@ class _State:
         return _State(
             [self.rids[i] for i in rows.tolist()], self.target, self.draft,
             self.pending[dev_rows], self.pending_len[dev_rows], self.n_out[rows],
+            None if self.pending_aux is None else self.pending_aux[dev_rows],
         )
 
 
@@ -333,10 +339,20 @@ class HFEngine:
         self.store_dtype = store_dtype
         self.padding_side = padding_side
         self.vocab_size = int(model.config.vocab_size)
-        self.draft = None if draft_model is None else _Driven.of(draft_model, "draft model")
+        self.head = isinstance(draft_model, Eagle3Head)
+        self.aux_sources: tuple[int, ...] = ()
+        if self.head:
+            # a one-layer head with its own attention: full attention over the slots the engine shows it
+            self.draft = _Driven(draft_model.eval(), AttentionPlan({FULL: None}, False), None)
+            self.aux_sources = head_aux_boundaries(draft_model, model)
+        else:
+            self.draft = None if draft_model is None else _Driven.of(draft_model, "draft model")
         self.draft_model = None if draft_model is None else self.draft.model
         self.spec = None if draft_model is None else (spec or SpecSettings())
-        if draft_model is not None:
+        if self.head:
+            if draft_model.target_vocab != self.vocab_size:
+                raise HsxError(f"EAGLE3 head built for vocab {draft_model.target_vocab} != target vocab {self.vocab_size}")
+        elif draft_model is not None:
             if int(draft_model.config.vocab_size) != self.vocab_size:
                 raise HsxError(f"draft vocab {draft_model.config.vocab_size} != target vocab {self.vocab_size}")
         elif spec is not None:
@@ -374,12 +390,12 @@ class HFEngine:
         stride = 1 if self.spec is None else self.spec.num_draft_tokens
         with torch.inference_mode():
             state = self._start(rids, prompts, collector, sampling, generator)
-            state = self._retire(state, state.pending, state.pending_len, sampling, collector, done)
+            state = self._retire(state, state.pending, state.pending_len, sampling, collector, done, state.pending_aux)
             while state.rids:
                 tree = self._draft_tree(state) if self.draft_model is not None else _Tree.start(state.root, 1)
-                emitted, accept_lens, hidden = self._verify(state, tree, sampling, generator)
+                emitted, accept_lens, hidden, aux = self._verify(state, tree, sampling, generator)
                 collector.step(state.rids, hidden, emitted, accept_lens, stride)
-                state = self._retire(state, emitted, accept_lens, sampling, collector, done)
+                state = self._retire(state, emitted, accept_lens, sampling, collector, done, aux)
         return [done[rid] for rid in rids]
 
     # ---- steps ---------------------------------------------------------------------------
@@ -399,35 +415,52 @@ class HFEngine:
         first_list = first.tolist()
         for i, rid in enumerate(rids):
             collector.prefill(rid, prompts[i], {name: c[i][valid[i]] for name, c in cols.items()}, first_list[i])
-        draft = None
-        if self.draft_model is not None:
+        draft, pending_aux = None, None
+        if self.head:
+            # the head's slot t pairs token t+1 with the target's aux state after token t (SGLang's draft extend);
+            # the last prompt position waits for the first token, as the pending step
+            aux = self._cat(self.aux_sources, out.hidden_states, tap)  # [B, P, K * H]
+            nxt_valid = valid & torch.cat([valid[:, 1:], valid[:, :1] & False], 1)
+            nxt_ids = torch.cat([ids[:, 1:], ids[:, :1]], 1)
+            draft = _KV(self.draft, len(rids), self.device)
+            draft.run(nxt_ids, positions, block & nxt_valid[:, None, :], draft_hidden=aux)
+            draft.commit(nxt_valid)
+            pending_aux = aux[torch.arange(len(rids), device=self.device), last][:, None]  # [B, 1, K * H]
+        elif self.draft_model is not None:
             draft = _KV(self.draft, len(rids), self.device)
             draft.run(ids, positions, block)
             draft.commit(valid)
         ones = torch.ones(len(rids), dtype=torch.long, device=self.device)
-        return _State(list(rids), target, draft, first[:, None], ones, torch.zeros(len(rids), dtype=torch.long))
+        return _State(list(rids), target, draft, first[:, None], ones, torch.zeros(len(rids), dtype=torch.long),
+                      pending_aux)
 
     def _draft_tree(self, state: _State) -> _Tree:
         """Draft ``num_draft_tokens - 1`` nodes per request: expand the top-k frontier for num_steps levels
         and keep the best nodes by cumulative draft log-prob (EAGLE / SGLang tree drafting)."""
         k, n = self.spec.topk, self.spec.num_draft_tokens
         draft = state.draft
-        root_logits = self._draft_catch_up(state)  # [B, V]
+        root_logits, root_hidden = self._draft_catch_up(state)  # [B, V], head: [B, H]
         root_pos = draft.lengths - 1  # [B]
         pool = _Tree.start(state.root, self.spec.pool_size)
         top = torch.log_softmax(root_logits.float(), -1).topk(k)  # [B, k]
         frontier = pool.add(1, top.indices, top.values, torch.zeros_like(top.indices), 1).expand(len(state.rids), k)
+        # a head reads, with each frontier token, the output it produced at that token's parent
+        hid = None if root_hidden is None else root_hidden[:, None].expand(-1, k, -1)  # [B, k, H]
         fed = frontier[:, :0]  # [B, f] pool nodes fed to the draft this step, in cache order
         start = 1 + k
         for level in range(2, self.spec.num_steps + 1):
             fed = torch.cat([fed, frontier], 1)
             positions = (root_pos[:, None] + level - 1).expand(-1, k)  # [B, k] the frontier sits at depth level - 1
-            out = draft.run(pool.tokens.gather(1, frontier), positions, pool.visibility(frontier, fed))
+            extra = {} if hid is None else {"draft_hidden": hid}
+            out = draft.run(pool.tokens.gather(1, frontier), positions, pool.visibility(frontier, fed), **extra)
             child = torch.log_softmax(out.logits.float(), -1).topk(k)  # [B, k, k]
             child_score = pool.score.gather(1, frontier)[:, :, None] + child.values  # [B, k, k]
             parents = frontier[:, :, None].expand(-1, -1, k).flatten(1)  # [B, k * k]
             pool.add(start, child.indices.flatten(1), child_score.flatten(1), parents, level)
-            frontier = start + child_score.flatten(1).topk(k).indices  # [B, k] best candidates go deeper
+            best = child_score.flatten(1).topk(k).indices  # [B, k] best candidates go deeper
+            frontier = start + best
+            if hid is not None:
+                hid = out.hidden.gather(1, (best // k)[:, :, None].expand(-1, -1, out.hidden.shape[2]))
             start += k * k
         if fed.shape[1]:
             draft.commit(torch.zeros_like(fed, dtype=torch.bool))  # forget the guesses; accepted ones come back as pending
@@ -445,9 +478,11 @@ class HFEngine:
         pend_valid = torch.arange(q, device=dev)[None, :] < state.pending_len[:, None]  # [B, q]
         causal = torch.ones(q, q, dtype=torch.bool, device=dev).tril()
         positions = draft.lengths[:, None] + torch.arange(q, device=dev)  # [B, q]
-        out = draft.run(state.pending, positions, causal[None] & pend_valid[:, None, :])
+        extra = {} if state.pending_aux is None else {"draft_hidden": state.pending_aux}
+        out = draft.run(state.pending, positions, causal[None] & pend_valid[:, None, :], **extra)
         draft.commit(pend_valid)
-        return out.logits[torch.arange(len(state.rids), device=dev), state.pending_len - 1]
+        last = (torch.arange(len(state.rids), device=dev), state.pending_len - 1)
+        return out.logits[last], (out.hidden[last] if self.head else None)
 
     def _verify(self, state: _State, tree: _Tree, sampling, generator):
         """One target forward over ``[root + drafts]``; returns emitted tokens ``[B, n]``, accept lengths
@@ -477,9 +512,13 @@ class HFEngine:
             for name, c in cols.items()
         }
         target.commit(on_path)  # the target keeps exactly the root and the accepted drafts
-        return emitted, accept_lens, hidden
+        aux = None
+        if self.head:  # the head's next catch-up reads the aux states along the accepted path
+            aux = self._cat(self.aux_sources, out.hidden_states, tap)
+            aux = aux.gather(1, path[:, :, None].expand(-1, -1, aux.shape[2]))
+        return emitted, accept_lens, hidden, aux
 
-    def _retire(self, state: _State, emitted, accept_lens, sampling, collector, done) -> _State:
+    def _retire(self, state: _State, emitted, accept_lens, sampling, collector, done, aux=None) -> _State:
         """Count the step's emitted tokens, finish requests that hit a stop token or max_new_tokens."""
         emitted_cpu, accept_cpu = emitted.cpu(), accept_lens.cpu()
         stride = emitted_cpu.shape[1]
@@ -495,7 +534,8 @@ class HFEngine:
             rid = state.rids[i]
             done[rid] = collector.finish(rid, length, reason, speculative=self.draft_model is not None)
         a_max = int(accept_cpu.max())
-        state = _State(state.rids, state.target, state.draft, emitted[:, :a_max], accept_lens, n_out)
+        state = _State(state.rids, state.target, state.draft, emitted[:, :a_max], accept_lens, n_out,
+                       None if aux is None else aux[:, :a_max])
         return state.select(~finished) if bool(finished.any()) else state
 
     # ---- helpers -------------------------------------------------------------------------
@@ -507,12 +547,18 @@ class HFEngine:
             got = None if hidden_states is None else len(hidden_states)
             raise HsxError(f"model returned {got} hidden-state entries, expected num_layers + 1 = {num_layers + 1}")
 
+        return {g.name: self._cat(g.sources, hidden_states, tap) for g in self.groups}
+
+    def _cat(self, sources, hidden_states, tap: _NormTap) -> torch.Tensor:
+        """Boundaries ``sources`` concatenated along the width, ``[B, q, len(sources) * W]``."""
+        num_layers = self.shape.num_layers
+
         def source(s):
             if s == FINAL:
                 return tap.post  # lm_head's input (transformers' last entry, where it ties it to the norm output)
             return tap.pre if s == num_layers else hidden_states[s]
 
-        return {g.name: torch.cat([source(s) for s in g.sources], -1) for g in self.groups}
+        return torch.cat([source(s) for s in sources], -1)
 
     def _check_requests(self, requests) -> tuple[list, list[torch.Tensor]]:
         rids = [rid for rid, _ in requests]
@@ -529,6 +575,31 @@ class HFEngine:
         return rids, prompts
 
 
+def head_aux_boundaries(head: Eagle3Head, target) -> tuple[int, ...]:
+    """The target boundaries an EAGLE3 head reads, by SGLang's rule for its layer ids (id + 1 for Llama-style
+    targets: the output of layer id; the model's default when the head names none)."""
+    from hsx.engine.sglang import sglang_capture
+
+    num_layers = int(target.config.get_text_config(decoder=True).num_hidden_layers)
+    model_type = getattr(target.config, "model_type", None)
+    bounds = sglang_capture(head.aux_ids, model_type, num_layers)
+    if len(bounds) != head.num_aux or any(not 0 <= b <= num_layers for b in bounds):
+        raise HsxError(f"EAGLE3 head {head.path!r}: aux layer ids {head.aux_ids} read boundaries {list(bounds)}; "
+                       f"expected {head.num_aux} boundaries within 0..{num_layers}")
+    return tuple(bounds)
+
+
+def load_draft(path: str, target, dtype: torch.dtype, trust_remote_code: bool = False):
+    """A draft for ``target``: an EAGLE3 head when ``path`` is in SGLang's head format, else a causal LM."""
+    kind = head_kind(path)
+    if kind == "eagle3":
+        return load_eagle3_head(path, target, dtype)
+    if kind == "eagle":
+        raise HsxError(f"draft {path!r} is an EAGLE (LlamaForCausalLMEagle) head; the transformers engine runs "
+                       f"EAGLE3 heads and draft language models only (use --engine sglang for EAGLE heads)")
+    return load_causal_lm(path, dtype, trust_remote_code, what="draft model")
+
+
 def load_hf_engine(
     model_path: str,
     layers: str | Sequence[LayerGroup] = "final",
@@ -543,10 +614,7 @@ def load_hf_engine(
     trust_remote_code: bool = False,
 ) -> HFEngine:
     """Load a target (and optional draft) with ``AutoModelForCausalLM`` and build an :class:`HFEngine`."""
-    def load(path):
-        return load_causal_lm(path, dtype, trust_remote_code).to(device).eval()
-
-    model = load(model_path)
+    model = load_causal_lm(model_path, dtype, trust_remote_code, what="target model").to(device).eval()
     groups = parse_layers(layers, ModelShape.from_config(model.config), eagle3_ids) if isinstance(layers, str) else list(layers)
-    draft = None if draft_path is None else load(draft_path)
+    draft = None if draft_path is None else load_draft(draft_path, model, dtype, trust_remote_code).to(device).eval()
     return HFEngine(model, groups, draft_model=draft, spec=spec, store_dtype=store_dtype, padding_side=padding_side)

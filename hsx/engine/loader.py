@@ -47,7 +47,7 @@ class HFRunner:
         from transformers import AutoConfig, AutoTokenizer
 
         from hsx.engine.families import load_causal_lm
-        from hsx.engine.hf import HFEngine, SamplingSettings, SpecSettings
+        from hsx.engine.hf import HFEngine, SamplingSettings, SpecSettings, load_draft
 
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
@@ -55,10 +55,10 @@ class HFRunner:
         remote = cfg.trust_remote_code
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=remote)
-            model = load_causal_lm(cfg.model, self.dtype, remote)
+            model = load_causal_lm(cfg.model, self.dtype, remote, what="target model")
             draft = None
             if cfg.draft_model:
-                draft = load_causal_lm(cfg.draft_model, self.dtype, remote)
+                draft = load_draft(cfg.draft_model, model, self.dtype, remote)
         except (OSError, ValueError) as e:
             raise HsxError(f"cannot load model {cfg.model!r}"
                            + (f" / draft {cfg.draft_model!r}" if cfg.draft_model else "") + f": {e}") from None
@@ -92,7 +92,8 @@ class HFRunner:
     def describe_speculative(self) -> dict | None:
         if self.spec is None:
             return None
-        return {"algorithm": "draft-model", "draft_model": self.cfg.draft_model, "num_steps": self.spec.num_steps,
+        algorithm = "EAGLE3" if getattr(self.engine, "head", False) else "draft-model"
+        return {"algorithm": algorithm, "draft_model": self.cfg.draft_model, "num_steps": self.spec.num_steps,
                 "topk": self.spec.topk, "num_draft_tokens": self.spec.num_draft_tokens,
                 "tree": self.spec.topk > 1}
 

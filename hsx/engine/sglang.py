@@ -133,6 +133,32 @@ class _Plan:
         return self.groups[0]
 
 
+def check_checkpoints(cfg: ExtractConfig) -> None:
+    """Refuse a target or draft checkpoint with missing or unexpected weights before SGLang loads it.
+
+    The target (and a draft language model) through transformers' own loading report on the meta
+    device; an EAGLE3 head against its config and the target's, from the file headers. EAGLE
+    (``LlamaForCausalLMEagle``) heads are not checked here.
+    """
+    from transformers import AutoConfig
+
+    from hsx.engine.families import check_checkpoint
+    from hsx.engine.heads import check_eagle3_head, head_kind
+
+    remote = cfg.trust_remote_code
+    try:
+        check_checkpoint(cfg.model, "target model", remote)
+        if cfg.draft_model:
+            kind = head_kind(cfg.draft_model)
+            if kind == "eagle3":
+                check_eagle3_head(cfg.draft_model, AutoConfig.from_pretrained(cfg.model, trust_remote_code=remote))
+            elif kind is None:
+                check_checkpoint(cfg.draft_model, "draft model", remote)
+    except (OSError, ValueError) as e:
+        raise HsxError(f"cannot read the checkpoint of {cfg.model!r}"
+                       + (f" / draft {cfg.draft_model!r}" if cfg.draft_model else "") + f": {e}") from None
+
+
 class SGLangRunner:
     """``sglang.Engine`` driven over rendered prompts; same interface as :class:`~hsx.engine.loader.HFRunner`."""
 
@@ -141,11 +167,12 @@ class SGLangRunner:
     def __init__(self, cfg: ExtractConfig):
         from transformers import AutoConfig, AutoTokenizer
 
-        self.sglang = import_sglang()
         self.cfg = cfg
         if cfg.sglang_capture == "tensors":
             check_version(self.sglang.__version__)
         remote = cfg.trust_remote_code
+        check_checkpoints(cfg)  # SGLang skips weights it has no place for and keeps what it did not find
+        self.sglang = import_sglang()
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=remote)
             self.model_config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=remote)

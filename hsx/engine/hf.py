@@ -30,7 +30,7 @@ from transformers import DynamicCache
 
 from hsx.align import FINAL, AlignedSample, Collector, LayerGroup, ModelShape, parse_layers, teacher_forced
 from hsx.engine.families import FULL, AttentionPlan, Layout, check_layout, find_layout, load_causal_lm
-from hsx.engine.heads import Eagle3Head, aux_layer_ids, head_kind, load_eagle3_head
+from hsx.engine.heads import Eagle3Head, head_kind, load_eagle3_head
 from hsx.errors import HsxError
 
 

@@ -168,11 +168,11 @@ class SGLangRunner:
         from transformers import AutoConfig, AutoTokenizer
 
         self.cfg = cfg
-        if cfg.sglang_capture == "tensors":
-            check_version(self.sglang.__version__)
         remote = cfg.trust_remote_code
         check_checkpoints(cfg)  # SGLang skips weights it has no place for and keeps what it did not find
         self.sglang = import_sglang()
+        if cfg.sglang_capture == "tensors":
+            check_version(self.sglang.__version__)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=remote)
             self.model_config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=remote)

@@ -57,7 +57,7 @@ class SpecTorchNativeBackend(TorchNativeAttnBackend):
         """Per request: its committed prefix (all visible) then its n drafts (visible per the tree mask)."""
         n = fb.spec_info.draft_token_num
         prefix = fb.seq_lens.long()  # [bs], without the drafts
-        tree = fb.spec_info.custom_mask.view(fb.batch_size, n, n)  # [bs, query draft, key draft], True = visible
+        tree = fb.spec_info.custom_mask[:fb.batch_size * n * n].view(fb.batch_size, n, n)  # [bs, query, key draft]; True = visible
         cols = torch.arange(int(prefix.max()) + n, device=prefix.device)
         rel = cols[None, :] - prefix[:, None]  # [bs, K]: < 0 prefix, 0..n-1 drafts, >= n padding
         in_tree = (rel >= 0) & (rel < n)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from hsx.align import FINAL, LayerGroup
+from hsx.align import LayerGroup
 from hsx.errors import HsxError
 from hsx.recompute.compare import Tolerance, check_segment
 from hsx.recompute.reference import Reference, config_matches, neighbour_sources

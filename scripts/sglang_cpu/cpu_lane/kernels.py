@@ -6,8 +6,8 @@ GPU branch launches. The six bookkeeping ops are vectorised index arithmetic. Th
 run SGLang's own Triton kernels (its XPU path, ``sglang.kernels.ops.speculative.spec_tree``) under
 Triton's interpreter, so the tree and the greedy tree verify are SGLang's code, not a re-telling.
 
-``tests``: ``scripts/sglang_cpu/test_kernels.py`` checks every op here against SGLang's Triton kernel
-of the same job, run by the interpreter on random inputs.
+``tests/test_sglang_lane.py`` (run inside the lane) checks the five index ops against SGLang's Triton
+kernels for the same jobs, run by the interpreter on random inputs, and the KV-copy op's refusal.
 """
 
 from __future__ import annotations

@@ -41,7 +41,9 @@ class ExtractConfig:
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     keep: Literal["all", "completion", "loss", "last"] = "all"  # which positions get rows (hsx.shards.positions)
     # decoding
-    batch_size: int = 8
+    batch_size: int = 8  # rows per forward: requests decoding together (generate), sequences per forward (prefill)
+    max_batch_tokens: int | None = None  # padded prompt tokens per prefill forward (both modes); None: no limit
+    window: int | None = None  # source rows scheduled together (sorted by length); default 32 batches
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
@@ -66,8 +68,9 @@ class ExtractConfig:
     unit_size: int | None = None  # source rows per work unit, a multiple of batch_size; default 32 batches
 
     # Fields that change neither which samples exist nor their values: a resumed run may differ in them.
-    # (batch_size is among them because batches are windows of source rows: see pipeline._windows.)
-    _LAYOUT_ONLY = ("output", "limit", "batch_size", "max_shard_mb", "max_shard_samples", "compression",
+    # (The batching fields are among them: they change a row's bits, within the engines' tolerance,
+    # never which samples exist; a window is re-run whole on resume, see pipeline.run_prompts.)
+    _LAYOUT_ONLY = ("output", "limit", "batch_size", "max_batch_tokens", "window", "max_shard_mb", "max_shard_samples", "compression",
                     "ray", "ray_address", "num_workers", "cpus_per_worker", "gpus_per_worker", "unit_size")
 
     def validate(self) -> "ExtractConfig":
@@ -83,6 +86,10 @@ class ExtractConfig:
             raise HsxError(f"--dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
         if self.batch_size < 1 or self.max_new_tokens < 1:
             raise HsxError("--batch-size and --max-new-tokens must be >= 1")
+        if self.max_batch_tokens is not None and self.max_batch_tokens < 1:
+            raise HsxError(f"--max-batch-tokens must be >= 1, got {self.max_batch_tokens}")
+        if self.window is not None and self.window < 1:
+            raise HsxError(f"--window must be >= 1, got {self.window}")
         check_rule(self.keep, self.mode)
         if self.engine not in ("hf", "sglang"):
             raise HsxError(f"--engine must be hf or sglang, got {self.engine!r}")
@@ -105,16 +112,25 @@ class ExtractConfig:
             raise HsxError(f"--num-workers must be >= 1, got {self.num_workers}")
         if self.cpus_per_worker <= 0 or (self.gpus_per_worker is not None and self.gpus_per_worker < 0):
             raise HsxError("--cpus-per-worker must be > 0 and --gpus-per-worker >= 0")
-        if self.unit_size is not None and (self.unit_size < 1 or self.unit_size % self.batch_size):
-            raise HsxError(f"--unit-size must be a multiple of --batch-size ({self.batch_size}), got {self.unit_size}: "
-                           "batches are windows of batch-size rows and a unit holds whole windows")
+        if self.unit_size is not None and (self.unit_size < 1 or self.unit_size % self.window_rows):
+            raise HsxError(f"--unit-size must be a multiple of the scheduling window ({self.window_rows} rows, "
+                           f"--window), got {self.unit_size}: a unit holds whole windows")
         if self.device.startswith("cuda:"):
             raise HsxError(f"--device {self.device} with --ray: each worker gets its own GPUs from Ray "
                            "(--gpus-per-worker); use --device auto or cuda")
 
     @property
     def rows_per_unit(self) -> int:
-        return self.unit_size or 32 * self.batch_size
+        return self.unit_size or max(32 * self.batch_size, self.window_rows)
+
+    @property
+    def window_rows(self) -> int:
+        """Source rows ``[k * w, (k + 1) * w)`` scheduled together: ``--window``, else 32 batches (or a
+        ``--unit-size`` that is not a multiple of that, so that units still hold whole windows)."""
+        if self.window is not None:
+            return self.window
+        default = 32 * self.batch_size
+        return self.unit_size if self.unit_size and self.unit_size % default else default
 
     @property
     def speculative(self) -> bool:

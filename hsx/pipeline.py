@@ -143,21 +143,22 @@ def _describe_tokenizer(cfg: ExtractConfig, tokenizer, chat_template: str | None
 
 
 def _windows(prompts: Iterator, size: int) -> Iterator[list]:
-    """Batches of the prompts whose source rows share a window ``[k * size, (k + 1) * size)``.
+    """Lists of the ``(prompt, done)`` pairs whose source rows share a window ``[k * size, (k + 1) * size)``.
 
-    A batch never depends on which other rows were skipped (done, bad input) or on where a
-    work unit starts, so the engine sees the same batch for a sample in a fresh run, a resumed
-    one and a Ray worker's unit: batch composition changes the bits of the rows.
+    A window never depends on which rows were skipped or where a work unit starts, so the engine
+    schedules the same requests together for a sample in a fresh run, a resumed one and a Ray
+    worker's unit: which requests share a forward changes the bits of the rows.
     """
-    batch, window = [], None
-    for p in prompts:
-        if batch and p.source_index // size != window:
-            yield batch
-            batch = []
-        batch.append(p)
-        window = p.source_index // size
-    if batch:
-        yield batch
+    window, key = [], None
+    for item in prompts:
+        k = item[0].source_index // size
+        if window and k != key:
+            yield window
+            window = []
+        window.append(item)
+        key = k
+    if window:
+        yield window
 
 
 def _run_metadata(cfg: ExtractConfig, engine, chat_template: str | None, dataset_meta: dict) -> dict:
@@ -178,8 +179,8 @@ def _run_metadata(cfg: ExtractConfig, engine, chat_template: str | None, dataset
 
 
 def _pending_prompts(rows, renderer, done: set[str], sink: ShardSink, summary: RunSummary, bar) -> Iterator:
-    """Rendered prompts still to run from ``(index, row)`` pairs; bad rows become error records,
-    finished ones are skipped."""
+    """``(prompt, done)`` for the rendered rows of ``(index, row)`` pairs, ``done`` when the output
+    already holds the sample; bad rows and repeated ids become error records instead."""
     seen: set[str] = set()
     for index, row in rows:
         try:
@@ -192,17 +193,16 @@ def _pending_prompts(rows, renderer, done: set[str], sink: ShardSink, summary: R
                 summary.errors += 1
             bar.update(1)
             continue
-        if p.sample_id in done:
-            summary.resumed += 1
-            bar.update(1)
-            continue
         if p.sample_id in seen:
-            sink.add_error(p.sample_id, index, f"duplicate sample id {p.sample_id!r} (also at an earlier row)")
-            summary.errors += 1
+            if p.sample_id in done:
+                summary.resumed += 1
+            else:
+                sink.add_error(p.sample_id, index, f"duplicate sample id {p.sample_id!r} (also at an earlier row)")
+                summary.errors += 1
             bar.update(1)
             continue
         seen.add(p.sample_id)
-        yield p
+        yield p, p.sample_id in done
 
 
 def _record(prompt, sample, mode: str, keep: str) -> Record:
@@ -243,18 +243,31 @@ def check_resume(out: Path, resume: Manifest | None, metadata: dict) -> Manifest
     return None
 
 
-def run_prompts(engine, prompts: Iterator, sink: ShardSink, summary: RunSummary, cfg: ExtractConfig, after_batch) -> None:
-    """Drive the engine over ``prompts`` in row windows of ``cfg.batch_size``; every result goes to ``sink``."""
-    for batch in _windows(prompts, cfg.batch_size):
-        for prompt, sample in zip(batch, engine.run(batch)):
+def run_prompts(engine, prompts: Iterator, sink: ShardSink, summary: RunSummary, cfg: ExtractConfig, after_sample) -> None:
+    """Drive the engine over ``(prompt, done)`` pairs one window of ``cfg.window_rows`` source rows at a time.
+
+    The engine schedules a window as it likes (length order, continuous batching) and hands back
+    each result as it finishes; every one goes to ``sink``. A window whose samples are all in the
+    output is skipped; one that is only partly there (a run stopped inside it) is run whole again
+    and the samples already written are dropped, so every stored row has the bits a fresh run gives.
+    """
+    for window in _windows(prompts, cfg.window_rows):
+        written = {p.sample_id for p, done in window if done}
+        summary.resumed += len(written)
+        after_sample(len(written))
+        if len(written) == len(window):
+            continue
+        for prompt, sample in engine.stream([p for p, _ in window]):
+            if prompt.sample_id in written:
+                continue
             if isinstance(sample, SampleError):  # an engine may give up on one sample and go on
                 sink.add_error(prompt.sample_id, prompt.source_index, sample.reason)
                 summary.errors += 1
-                continue
-            record = _record(prompt, sample, cfg.mode, cfg.keep)
-            sink.add(record)
-            summary.count(sample, record.num_rows)
-        after_batch(len(batch))
+            else:
+                record = _record(prompt, sample, cfg.mode, cfg.keep)
+                sink.add(record)
+                summary.count(sample, record.num_rows)
+            after_sample(1)
 
 
 def extract(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool = True) -> RunSummary:
@@ -300,12 +313,12 @@ def _extract_here(cfg: ExtractConfig, out: Path, overwrite: bool, progress: bool
     bar = tqdm(total=len(rows), unit="sample", disable=not progress, dynamic_ncols=True)
     prompts = _pending_prompts(enumerate(rows), renderer, manifest.done_ids(), sink, summary, bar)
 
-    def after_batch(n: int) -> None:
+    def after_sample(n: int) -> None:
         bar.update(n)
         bar.set_postfix(tok_s=f"{summary.tokens / (time.perf_counter() - t0):,.0f}", errors=summary.errors, refresh=False)
 
     try:
-        run_prompts(engine, prompts, sink, summary, cfg, after_batch)
+        run_prompts(engine, prompts, sink, summary, cfg, after_sample)
     except KeyboardInterrupt:
         sink.close(complete=False)  # everything finished so far becomes durable
         bar.close()

@@ -29,7 +29,7 @@ import hsx
 from hsx.cli import app
 from hsx.errors import ShardError
 from hsx.shards import Manifest, ShardSink, ShardWriter, load_manifest
-from hsx.shards.format import BASE_NAMES, METADATA_CHECKSUM_KEY, METADATA_KEY
+from hsx.shards.format import BASE_NAMES, FORMAT_VERSION, METADATA_CHECKSUM_KEY, METADATA_KEY
 from shard_fixtures import bits, finite_records, make_metadata, random_records, rows_for, write_sink
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -457,7 +457,7 @@ def _rewrite_metadata(src: Path, dst: Path, meta_bytes: bytes | None) -> None:
 MALFORMED = {
     "no-hsx-key": lambda m: None,
     "not-json": lambda m: b"{not json",
-    "future-version": lambda m: json.dumps({**m, "format_version": 3}).encode(),
+    "future-version": lambda m: json.dumps({**m, "format_version": FORMAT_VERSION + 1}).encode(),
     "no-layers": lambda m: json.dumps({k: v for k, v in m.items() if k != "layers"}).encode(),
     "layers-not-a-list": lambda m: json.dumps({**m, "layers": 3}).encode(),
     "layer-without-width": lambda m: json.dumps({**m, "layers": [{"name": "l0"}]}).encode(),

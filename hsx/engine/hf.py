@@ -22,11 +22,13 @@ tree and checked on one short forward before the engine is used (``families.chec
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from functools import partial
+from typing import Iterable, Iterator, Sequence
 
 import torch
-from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from hsx.align import FINAL, AlignedSample, Collector, LayerGroup, ModelShape, parse_layers, teacher_forced
 from hsx.engine.families import FULL, AttentionPlan, Layout, check_layout, find_layout, load_causal_lm
@@ -142,65 +144,203 @@ def _forward(driven: _Driven, input_ids, q_pos, k_pos, visible, cache, hidden: b
     )
 
 
-class _KV:
-    """A batched cache plus, per row, which committed slots hold that row's tokens, and every slot's position.
+class _SlotLayer(DynamicLayer):
+    """One layer's keys and values in storage ``[B, heads, capacity, head_dim]`` allocated ahead:
+    appending writes into it instead of copying the whole cache (``DynamicLayer`` concatenates), and
+    ``keys``/``values`` are views of the used width. Grows by doubling when the capacity runs out."""
 
-    Rows stay compacted: row i's tokens are slots ``[0, len_i)``, padding after. Slot order does
-    not matter to attention (positions are baked into the keys, visibility is the mask), so a
-    row's tokens may sit in any order inside that prefix. Every layer keeps every slot, sliding
-    ones included (transformers' sliding cache layers drop old slots by count, which is wrong for
-    rows of different lengths); the window is applied by the mask, from the slots' positions.
+    def __init__(self, capacity: int = 0):
+        super().__init__()
+        self.capacity_hint = capacity
+        self.width = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.k_buf = key_states.new_empty(*key_states.shape[:2], 0, key_states.shape[3])
+        self.v_buf = value_states.new_empty(*value_states.shape[:2], 0, value_states.shape[3])
+        self.is_initialized = True
+        self.reserve(max(self.capacity_hint, key_states.shape[2]))
+
+    def reserve(self, need: int) -> None:
+        """Room for ``need`` slots per row, keeping the used ones."""
+        cap = self.k_buf.shape[2]
+        if need <= cap:
+            return
+        cap = max(need, 2 * cap)
+        for name in ("k_buf", "v_buf"):
+            old = getattr(self, name)
+            new = old.new_empty(*old.shape[:2], cap, old.shape[3])
+            new[:, :, : self.width] = old[:, :, : self.width]
+            setattr(self, name, new)
+        self._views()
+
+    def _views(self) -> None:
+        self.keys, self.values = self.k_buf[:, :, : self.width], self.v_buf[:, :, : self.width]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.width + key_states.shape[2]
+        self.reserve(end)
+        self.k_buf[:, :, self.width : end] = key_states
+        self.v_buf[:, :, self.width : end] = value_states
+        self.width = end
+        self._views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.width
+
+    def set_width(self, width: int) -> None:
+        self.width = width
+        self._views()
+
+    def move(self, start: int, order: torch.Tensor, dest: torch.Tensor) -> None:
+        """Slots ``start + order [B, m]`` of each row go to slots ``dest [B, m]`` (read all, then write)."""
+        for buf in (self.k_buf, self.v_buf):
+            heads, dim = buf.shape[1], buf.shape[3]
+            src = buf[:, :, start : start + order.shape[1]].gather(2, order[:, None, :, None].expand(-1, heads, -1, dim))
+            buf.scatter_(2, dest[:, None, :, None].expand(-1, heads, -1, dim), src)
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.k_buf, self.v_buf = self.k_buf[rows], self.v_buf[rows]
+        self._views()
+
+    def put(self, rows: torch.Tensor, other: "_SlotLayer", src: torch.Tensor) -> None:
+        """Rows ``rows`` take ``other``'s rows ``src``, from slot 0 (only their used slots are copied)."""
+        w = other.width
+        self.reserve(w)
+        self.k_buf[rows, :, :w] = other.k_buf[src, :, :w]
+        self.v_buf[rows, :, :w] = other.v_buf[src, :, :w]
+
+    def extend(self, other: "_SlotLayer", src: torch.Tensor) -> None:
+        """Append ``other``'s rows ``src`` to the batch."""
+        self.reserve(other.width)
+        for name in ("k_buf", "v_buf"):
+            mine, theirs = getattr(self, name), getattr(other, name)[src, :, : other.width]
+            setattr(self, name, torch.cat([mine, torch.nn.functional.pad(theirs, (0, 0, 0, mine.shape[2] - theirs.shape[2]))]))
+        self._views()
+
+
+class _SlotCache(DynamicCache):
+    """A ``DynamicCache`` of :class:`_SlotLayer` (full-length layers everywhere: see :class:`_KV`)."""
+
+    def __init__(self, capacity: int = 0):
+        Cache.__init__(self, layer_class_to_replicate=partial(_SlotLayer, capacity))
+
+
+class _KV:
+    """A batched cache plus, per row, how many committed slots hold that row's tokens, and every slot's position.
+
+    Rows stay compacted: row i's tokens are slots ``[0, lens[i])``; slots from there to the committed
+    width are stale. Slot order does not matter to attention (positions are baked into the keys,
+    visibility is the mask), so a row's tokens may sit in any order inside that prefix. Every layer
+    keeps every slot, sliding ones included (transformers' sliding cache layers drop old slots by
+    count, which is wrong for rows of different lengths); the window is applied by the mask, from
+    the slots' positions. Storage is allocated ahead (``capacity`` slots per row) so a step writes
+    only its new slots.
     """
 
-    def __init__(self, driven: _Driven, batch: int, device):
+    def __init__(self, driven: _Driven, batch: int, device, capacity: int = 0):
         self.driven = driven
-        self.cache = DynamicCache()  # no config: full-length layers everywhere
-        self.valid = torch.zeros(batch, 0, dtype=torch.bool, device=device)  # [B, S] committed slots
-        self.pos = torch.zeros(batch, 0, dtype=torch.long, device=device)  # [B, S + n] every slot's position
+        self.cache = _SlotCache(capacity)
+        self.lens = torch.zeros(batch, dtype=torch.long, device=device)  # [B] committed tokens per row
+        self.width = 0  # committed slots (max of lens)
+        self._pos = torch.zeros(batch, max(capacity, 1), dtype=torch.long, device=device)  # every slot's position
+        self.filled = 0  # slots written since... committed + uncommitted
 
     @property
     def lengths(self) -> torch.Tensor:
-        return self.valid.sum(1)  # [B] tokens seen == position of the next token
+        return self.lens  # [B] tokens seen == position of the next token
+
+    @property
+    def pos(self) -> torch.Tensor:
+        return self._pos[:, : self.filled]
+
+    def _layers(self) -> list:
+        return self.cache.layers
 
     def run(self, input_ids, positions, block, hidden: bool = False, **extra):
         """Forward ``input_ids [B, q]`` at ``positions [B, q]``; ``block [B, q, uncommitted + q]`` is
         visibility among new slots."""
         batch, q = input_ids.shape
-        seen = self.valid[:, None, :].expand(batch, q, -1)  # [B, q, S]
-        self.pos = torch.cat([self.pos, positions], 1)
+        seen = torch.arange(self.width, device=self.lens.device)[None, :] < self.lens[:, None]  # [B, S]
+        seen = seen[:, None, :].expand(batch, q, -1)
+        end = self.filled + q
+        self._reserve_pos(end)
+        self._pos[:, self.filled : end] = positions
+        self.filled = end
         return _forward(self.driven, input_ids, positions, self.pos, torch.cat([seen, block], 2), self.cache, hidden,
                         **extra)
 
     def commit(self, keep: torch.Tensor) -> None:
         """Keep the slots appended since the last commit where ``keep [B, n]``; drop the rest.
 
-        The only place a cache shrinks: each row's kept slots are gathered to its front, then the
-        columns that are padding in every row are cut off.
+        The only place a row's tokens move: its kept new slots go right after its committed ones
+        (the rest are left behind as stale slots). Work is proportional to the new slots only.
         """
-        valid = torch.cat([self.valid, keep], 1)  # [B, S + n]
-        if self.cache.get_seq_length() != valid.shape[1] or self.pos.shape[1] != valid.shape[1]:
-            raise RuntimeError(f"cache holds {self.cache.get_seq_length()} slots ({self.pos.shape[1]} positions), "
-                               f"commit describes {valid.shape[1]}")
-        lens = valid.sum(1)  # [B]
-        stay = int(self.valid.sum(1).min()) if self.valid.shape[1] else 0  # slots [0, stay) are real in every row
-        width = int(lens.max())
-        # kept slots first, in their order; only the tail after `stay` can move
-        order = torch.sort((~valid[:, stay:]).to(torch.uint8), dim=1, stable=True).indices[:, : width - stay]
-        for layer in self.cache.layers:
-            for name in ("keys", "values"):
-                kv = getattr(layer, name)  # [B, heads, S + n, head_dim]
-                idx = order[:, None, :, None].expand(-1, kv.shape[1], -1, kv.shape[3])
-                setattr(layer, name, torch.cat([kv[:, :, :stay], kv[:, :, stay:].gather(2, idx)], 2))
-        self.pos = torch.cat([self.pos[:, :stay], self.pos[:, stay:].gather(1, order)], 1)  # [B, width]
-        self.valid = torch.arange(width, device=valid.device)[None, :] < lens[:, None]
+        start, n = self.width, keep.shape[1]
+        if self.cache.get_seq_length() != start + n or self.filled != start + n:
+            raise RuntimeError(f"cache holds {self.cache.get_seq_length()} slots ({self.filled} positions), "
+                               f"commit describes {start} + {n}")
+        kept = keep.sum(1)
+        order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices  # [B, n] kept slots first
+        dest = self.lens[:, None] + torch.arange(n, device=keep.device)  # [B, n]
+        if n and bool(kept.any()) and not bool((dest == start + order).all()):
+            for layer in self._layers():
+                layer.move(start, order, dest)
+            self._pos.scatter_(1, dest, self._pos[:, start : start + n].gather(1, order))
+        self.lens = self.lens + kept
+        self.width = int(self.lens.max()) if self.lens.numel() else 0
+        self.filled = self.width
+        for layer in self._layers():
+            layer.set_width(self.width)
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only batch rows ``rows`` (finished requests leave the batch)."""
-        self.valid, self.pos = self.valid[rows], self.pos[rows]
-        for layer in self.cache.layers:
-            layer.keys, layer.values = layer.keys[rows], layer.values[rows]
-        if rows.numel():  # an empty cache reports 0 slots whatever its width
-            self.commit(self.valid[:, :0])
+        self._check_committed("select")
+        for layer in self._layers():
+            layer.select(rows)
+        self.lens, self._pos = self.lens[rows], self._pos[rows]
+        self.commit(self._none())
+
+    def put(self, rows: torch.Tensor, other: "_KV", src: torch.Tensor) -> None:
+        """Rows ``rows`` of this batch take the requests in rows ``src`` of ``other`` (a freed row is
+        overwritten in place: only the new request's slots are copied)."""
+        self._check_committed("put")
+        other._check_committed("put")
+        for layer, theirs in zip(self._layers(), other._layers()):
+            layer.put(rows, theirs, src)
+        self._reserve_pos(other.width)
+        self._pos[rows, : other.width] = other._pos[src, : other.width]
+        self.lens = self.lens.clone()
+        self.lens[rows] = other.lens[src]
+        self.commit(self._none())
+
+    def extend(self, other: "_KV", src: torch.Tensor) -> None:
+        """Append the requests in rows ``src`` of ``other`` to this batch."""
+        self._check_committed("extend")
+        other._check_committed("extend")
+        for layer, theirs in zip(self._layers(), other._layers()):
+            layer.extend(theirs, src)
+        self._reserve_pos(other.width)
+        theirs = other._pos[src, : other.width]
+        self._pos = torch.cat([self._pos, torch.nn.functional.pad(theirs, (0, self._pos.shape[1] - theirs.shape[1]))])
+        self.lens = torch.cat([self.lens, other.lens[src]])
+        self.commit(self._none())
+
+    def _reserve_pos(self, need: int) -> None:
+        if need > self._pos.shape[1]:
+            grown = self._pos.new_zeros(self._pos.shape[0], max(need, 2 * self._pos.shape[1]))
+            grown[:, : self.filled] = self._pos[:, : self.filled]
+            self._pos = grown
+
+    def _none(self) -> torch.Tensor:
+        return torch.zeros(self.lens.shape[0], 0, dtype=torch.bool, device=self.lens.device)  # a commit of no slots
+
+    def _check_committed(self, what: str) -> None:
+        if self.filled != self.width:
+            raise RuntimeError(f"{what} with {self.filled - self.width} uncommitted slots")
 
 
 @dataclass
@@ -269,17 +409,79 @@ class _State:
     def root(self) -> torch.Tensor:
         return self.pending.gather(1, (self.pending_len - 1)[:, None])[:, 0]  # [B]
 
-    def select(self, keep: torch.Tensor) -> "_State":
-        rows = keep.nonzero()[:, 0]  # CPU
-        dev_rows = rows.to(self.pending.device)
-        self.target.select(dev_rows)
-        if self.draft is not None:
-            self.draft.select(dev_rows)
+    def without(self, rows: list[int]) -> "_State":
+        """The state without batch rows ``rows``."""
+        keep = torch.ones(len(self.rids), dtype=torch.bool)
+        keep[rows] = False
+        kept = keep.nonzero()[:, 0]  # CPU
+        dev = kept.to(self.pending.device)
+        for kv in (self.target, self.draft):
+            if kv is not None:
+                kv.select(dev)
         return _State(
-            [self.rids[i] for i in rows.tolist()], self.target, self.draft,
-            self.pending[dev_rows], self.pending_len[dev_rows], self.n_out[rows],
-            None if self.pending_aux is None else self.pending_aux[dev_rows],
+            [self.rids[i] for i in kept.tolist()], self.target, self.draft,
+            self.pending[dev], self.pending_len[dev], self.n_out[kept],
+            None if self.pending_aux is None else self.pending_aux[dev],
         )
+
+    def admit(self, holes: list[int], new: "_State") -> "_State":
+        """``new``'s requests take the free rows ``holes`` first, the rest are appended; holes left over
+        leave the batch. Only the new requests' slots are copied (a freed row is overwritten in place)."""
+        h = min(len(holes), len(new.rids))
+        dev = self.pending.device
+        fill, src, rest = torch.tensor(holes[:h], dtype=torch.long), torch.arange(h), torch.arange(h, len(new.rids))
+        for mine, theirs in ((self.target, new.target), (self.draft, new.draft)):
+            if mine is not None:
+                mine.put(fill.to(dev), theirs, src.to(dev))
+                if rest.numel():
+                    mine.extend(theirs, rest.to(dev))
+
+        def merged(old, young, where):
+            width = max(old.shape[1], young.shape[1]) if old.dim() > 1 else None
+            old, young = (_widen(old, width), _widen(young, width)) if width else (old.clone(), young)
+            i, j, k = (t.to(where) for t in (fill, src, rest))
+            old[i] = young[j]
+            return torch.cat([old, young[k]])
+
+        rids = list(self.rids)
+        for i, rid in zip(holes[:h], new.rids[:h]):
+            rids[i] = rid
+        state = _State(
+            rids + new.rids[h:], self.target, self.draft,
+            merged(self.pending, new.pending, dev), merged(self.pending_len, new.pending_len, dev),
+            merged(self.n_out, new.n_out, "cpu"),
+            None if self.pending_aux is None else merged(self.pending_aux, new.pending_aux, dev),
+        )
+        return state.without(holes[h:]) if len(holes) > h else state
+
+
+def _widen(t: torch.Tensor, width: int) -> torch.Tensor:
+    """``t [B, w, ...]`` zero-padded along dim 1 to ``width`` (a new tensor)."""
+    pad = [0, 0] * (t.dim() - 2) + [0, width - t.shape[1]]
+    return torch.nn.functional.pad(t, pad)
+
+
+def _admissible(waiting: deque, free: int, max_tokens: int | None) -> list:
+    """Pop the next requests to prefill together: at most ``free`` of them, and (after the first)
+    only while the padded batch stays within ``max_tokens`` prompt tokens."""
+    batch, width = [waiting.popleft()], 0
+    width = batch[0][1].numel()
+    while waiting and len(batch) < free:
+        w = max(width, waiting[0][1].numel())
+        if max_tokens is not None and w * (len(batch) + 1) > max_tokens:
+            break
+        batch.append(waiting.popleft())
+        width = w
+    return batch
+
+
+def _merge(state: "_State | None", holes: list[int], new: "_State") -> tuple["_State", list[int]]:
+    """The running state with ``new``'s requests admitted, and its free rows after that."""
+    if state is None:
+        merged = new
+    else:
+        merged = state.admit(holes, new)
+    return merged, [i for i, rid in enumerate(merged.rids) if rid is None]
 
 
 def _choose(logits: torch.Tensor, sampling: SamplingSettings, generator: torch.Generator) -> torch.Tensor:
@@ -381,30 +583,59 @@ class HFEngine:
 
     def generate(self, requests: Sequence[tuple[object, torch.Tensor]], sampling: SamplingSettings) -> list[AlignedSample]:
         """Decode every request in one batch; samples come back in request order."""
-        rids, prompts = self._check_requests(requests)
-        if not rids:
-            return []
+        requests = list(requests)
+        done = dict(self.stream(requests, sampling, slots=max(len(requests), 1)))
+        return [done[rid] for rid, _ in requests]
+
+    def stream(self, requests: Iterable[tuple[object, torch.Tensor]], sampling: SamplingSettings, *, slots: int,
+               max_prefill_tokens: int | None = None) -> Iterator[tuple[object, AlignedSample]]:
+        """Continuous batching: up to ``slots`` requests decode together, and when one finishes the next
+        waiting one is prefilled and takes its row. Yields ``(rid, sample)`` as requests finish.
+
+        Requests are admitted in the order given; one admission prefills as many as fit the free rows
+        and ``max_prefill_tokens`` padded prompt tokens (at least one). A row's values depend on which
+        requests shared its steps, so the same requests in the same order give the same bits.
+        """
+        rids, prompts = self._check_requests(list(requests))
+        waiting = deque(zip(rids, prompts))
+        if slots < 1:
+            raise HsxError(f"slots must be >= 1, got {slots}")
         generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         collector = Collector(self.groups, self.store_dtype)
-        done: dict[object, AlignedSample] = {}
         stride = 1 if self.spec is None else self.spec.num_draft_tokens
+        state, holes = None, []
+        # the first batch allocates its cache for the longest prompt's whole run; later ones are copied into it
+        extra = sampling.max_new_tokens + stride + (0 if self.spec is None else self.spec.pool_size)
+        capacity = max((p.numel() for p in prompts), default=0) + extra
         with torch.inference_mode():
-            state = self._start(rids, prompts, collector, sampling, generator)
-            state = self._retire(state, state.pending, state.pending_len, sampling, collector, done, state.pending_aux)
-            while state.rids:
+            while waiting or (state is not None and len(state.rids) > len(holes)):
+                if waiting and (holes or state is None or len(state.rids) < slots):
+                    free = len(holes) + slots - (0 if state is None else len(state.rids))
+                    batch = _admissible(waiting, free, max_prefill_tokens)
+                    new = self._start([r for r, _ in batch], [p for _, p in batch], collector, sampling, generator,
+                                      capacity if state is None else 0)
+                    new, finished = self._retire(new, new.pending, new.pending_len, sampling, collector, new.pending_aux)
+                    yield from finished
+                    state, holes = _merge(state, holes, new)
+                    continue
+                if holes:  # nothing waits: the finished requests' rows leave the batch
+                    state, holes = state.without(holes), []
+                    continue
                 tree = self._draft_tree(state) if self.draft_model is not None else _Tree.start(state.root, 1)
                 emitted, accept_lens, hidden, aux = self._verify(state, tree, sampling, generator)
                 collector.step(state.rids, hidden, emitted, accept_lens, stride)
-                state = self._retire(state, emitted, accept_lens, sampling, collector, done, aux)
-        return [done[rid] for rid in rids]
+                state, finished = self._retire(state, emitted, accept_lens, sampling, collector, aux)
+                holes = [i for i, rid in enumerate(state.rids) if rid is None]
+                yield from finished
 
     # ---- steps ---------------------------------------------------------------------------
 
-    def _start(self, rids, prompts, collector, sampling, generator) -> _State:
-        """Prefill both models over the padded prompts; the target picks each request's first token."""
+    def _start(self, rids, prompts, collector, sampling, generator, capacity: int = 0) -> _State:
+        """Prefill both models over the padded prompts; the target picks each request's first token.
+        ``capacity`` is the cache slots per row to allocate ahead."""
         ids, valid = _pad(prompts, self.padding_side, self.device)  # [B, P]
         positions, block = _prompt_block(valid)
-        target = _KV(self.target, len(rids), self.device)
+        target = _KV(self.target, len(rids), self.device, capacity)
         with _NormTap(self.target) as tap:
             out = target.run(ids, positions, block, hidden=True)
         target.commit(valid)
@@ -422,12 +653,12 @@ class HFEngine:
             aux = self._cat(self.aux_sources, out.hidden_states, tap)  # [B, P, K * H]
             nxt_valid = valid & torch.cat([valid[:, 1:], valid[:, :1] & False], 1)
             nxt_ids = torch.cat([ids[:, 1:], ids[:, :1]], 1)
-            draft = _KV(self.draft, len(rids), self.device)
+            draft = _KV(self.draft, len(rids), self.device, capacity)
             draft.run(nxt_ids, positions, block & nxt_valid[:, None, :], draft_hidden=aux)
             draft.commit(nxt_valid)
             pending_aux = aux[torch.arange(len(rids), device=self.device), last][:, None]  # [B, 1, K * H]
         elif self.draft_model is not None:
-            draft = _KV(self.draft, len(rids), self.device)
+            draft = _KV(self.draft, len(rids), self.device, capacity)
             draft.run(ids, positions, block)
             draft.commit(valid)
         ones = torch.ones(len(rids), dtype=torch.long, device=self.device)
@@ -518,8 +749,11 @@ class HFEngine:
             aux = aux.gather(1, path[:, :, None].expand(-1, -1, aux.shape[2]))
         return emitted, accept_lens, hidden, aux
 
-    def _retire(self, state: _State, emitted, accept_lens, sampling, collector, done, aux=None) -> _State:
-        """Count the step's emitted tokens, finish requests that hit a stop token or max_new_tokens."""
+    def _retire(self, state: _State, emitted, accept_lens, sampling, collector, aux=None) -> tuple[_State, list]:
+        """Count the step's emitted tokens, finish requests that hit a stop token or max_new_tokens.
+
+        Returns the state, whose finished rows now hold ``None`` as their request id (free rows),
+        and the finished ``(rid, sample)`` pairs."""
         emitted_cpu, accept_cpu = emitted.cpu(), accept_lens.cpu()
         stride = emitted_cpu.shape[1]
         in_step = torch.arange(stride)[None, :] < accept_cpu[:, None]  # [B, stride]
@@ -529,14 +763,15 @@ class HFEngine:
         has_stop = is_stop.any(1) & (stop_len <= sampling.max_new_tokens)
         n_out = state.n_out + accept_cpu
         finished = has_stop | (n_out >= sampling.max_new_tokens)
+        rids, out = list(state.rids), []
         for i in finished.nonzero()[:, 0].tolist():
             length, reason = (int(stop_len[i]), "stop") if has_stop[i] else (sampling.max_new_tokens, "length")
-            rid = state.rids[i]
-            done[rid] = collector.finish(rid, length, reason, speculative=self.draft_model is not None)
+            out.append((rids[i], collector.finish(rids[i], length, reason, speculative=self.draft_model is not None)))
+            rids[i] = None
         a_max = int(accept_cpu.max())
-        state = _State(state.rids, state.target, state.draft, emitted[:, :a_max], accept_lens, n_out,
+        state = _State(rids, state.target, state.draft, emitted[:, :a_max], accept_lens, n_out,
                        None if aux is None else aux[:, :a_max])
-        return state.select(~finished) if bool(finished.any()) else state
+        return state, out
 
     # ---- helpers -------------------------------------------------------------------------
 
@@ -562,6 +797,8 @@ class HFEngine:
 
     def _check_requests(self, requests) -> tuple[list, list[torch.Tensor]]:
         rids = [rid for rid, _ in requests]
+        if any(rid is None for rid in rids):
+            raise HsxError("a request id is None (ids name the samples; None marks a free batch row)")
         if len(set(rids)) != len(rids):
             raise HsxError(f"request ids repeat in one batch: {rids}")
         prompts = []

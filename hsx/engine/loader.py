@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 
 from hsx.align import LayerGroup, ModelShape, parse_layers
 from hsx.config import ExtractConfig
+from hsx.engine.batching import longest_first, prefill_batches
 from hsx.errors import HsxError
 from hsx.shards.format import DTYPES
 
@@ -98,10 +101,32 @@ class HFRunner:
                 "tree": self.spec.topk > 1}
 
     def run(self, prompts) -> list:
+        """One sample per prompt, in order, from one batch."""
         requests = [(p.sample_id, torch.tensor(p.input_ids, dtype=torch.int64)) for p in prompts]
         if self.cfg.mode == "prefill":
             return self.engine.prefill(requests)
         return self.engine.generate(requests, self.sampling)
+
+    def stream(self, prompts) -> Iterator[tuple]:
+        """``(prompt, sample)`` for a window of prompts, as each finishes, longest prompts first.
+
+        Prefill: forwards of at most ``batch_size`` sequences and ``max_batch_tokens`` padded
+        tokens. Generate: continuous batching over ``batch_size`` rows, each admission's prefill
+        within ``max_batch_tokens``.
+        """
+        cfg = self.cfg
+        order = longest_first([len(p.input_ids) for p in prompts])
+        if cfg.mode == "prefill":
+            lengths = [len(p.input_ids) for p in prompts]
+            for batch in prefill_batches(lengths, cfg.batch_size, cfg.max_batch_tokens):
+                chosen = [prompts[i] for i in batch]
+                yield from zip(chosen, self.run(chosen))
+            return
+        by_id = {p.sample_id: p for p in prompts}
+        requests = [(prompts[i].sample_id, torch.tensor(prompts[i].input_ids, dtype=torch.int64)) for i in order]
+        for rid, sample in self.engine.stream(requests, self.sampling, slots=cfg.batch_size,
+                                              max_prefill_tokens=cfg.max_batch_tokens):
+            yield by_id[rid], sample
 
 
 def build_engine(cfg: ExtractConfig):

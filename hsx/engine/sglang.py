@@ -381,6 +381,14 @@ class SGLangRunner:
         first, self._requests = self._requests, self._requests + n
         return [f"{self.plan.capture.prefix}{first + i}" for i in range(n)]
 
+    def stream(self, prompts):
+        """``(prompt, sample)`` for a window of prompts: ``batch_size`` at a time, in window order
+        (SGLang's scheduler batches each group's requests itself)."""
+        size = self.cfg.batch_size
+        for i in range(0, len(prompts), size):
+            batch = prompts[i : i + size]
+            yield from zip(batch, self.run(batch))
+
     def run(self, prompts) -> list:
         """One :class:`AlignedSample` or :class:`SampleError` per prompt, in order.
 

@@ -25,8 +25,8 @@ from hsx.errors import HsxError, ShardError
 from hsx.shards import positions
 from hsx.shards.readonly import read_only
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # 3: manifest entries list each sample's source_index (shards as in 2)
+READABLE_VERSIONS = (1, 2, 3)
 METADATA_KEY = b"hsx"
 # xxh3-64 of the metadata bytes: Parquet footers carry no checksum, so the metadata checks itself.
 METADATA_CHECKSUM_KEY = b"hsx.xxh3_64"

@@ -73,6 +73,9 @@ class TokenLoader(IterableDataset):
         self.rank, self.world_size = _rank_and_world(rank, world_size)
         self.epoch = 0
         self.sample_ids = ds.sample_ids
+        # a sample's place in the shards -> its index in hsx.open(path) (source order, format 3)
+        self._dataset_index = np.empty(len(ds._index), dtype=np.int64)
+        self._dataset_index[ds._index] = np.arange(len(ds._index))
         self._paths, self._entries = list(ds._paths), list(ds._entries)
         self._layers = [g for g in ds.metadata["layers"] if g["name"] in self.columns]
         self._groups = [_row_groups(p) for p in self._paths]  # samples per row group, per shard
@@ -129,7 +132,7 @@ class TokenLoader(IterableDataset):
         out["token_id"] = labels.token_id[chosen]
         out["next_token"] = labels.next_token[chosen]
         out["position"] = labels.position[chosen]
-        out["sample_index"] = sample[chosen]
+        out["sample_index"] = self._dataset_index[sample[chosen]]
         return out
 
     # -- iteration

@@ -31,6 +31,7 @@ class ShardEntry:
     bytes: int
     xxh3_128: str
     sample_ids: list[str]
+    source_indices: list[int] | None = None  # per sample, as sample_ids (format 3; None in older manifests)
 
 
 @dataclass

@@ -105,6 +105,8 @@ def load_shard(path: Path, entry: ShardEntry | None) -> _Shard:
             raise ShardError(f"{path}: {table.num_rows} samples, manifest says {entry.samples}")
         if table.column("sample_id").to_pylist() != entry.sample_ids:
             raise ShardError(f"{path}: sample ids differ from the manifest's list")
+        if entry.source_indices is not None and table.column("source_index").to_pylist() != entry.source_indices:
+            raise ShardError(f"{path}: source indices differ from the manifest's list")
     return _Shard(path, table, meta)
 
 
@@ -210,7 +212,8 @@ class TokenMatrix:
 
 
 class ShardDataset:
-    """Samples of a directory of shards (or one shard file), in manifest order."""
+    """Samples of a directory of shards (or one shard file): in source order where the manifest lists
+    source indices (format 3), else in manifest order."""
 
     def __init__(self, paths: list[Path], entries: list[ShardEntry | None], counts: list[int], metadata: dict,
                  errors: list[ErrorRecord] = (), cache_shards: int = 4, index: np.ndarray | None = None):
@@ -326,13 +329,22 @@ class ShardDataset:
         return f"ShardDataset({len(self)} samples, {len(self._paths)} shards, columns={self.columns})"
 
 
+def _source_order(entries: list[ShardEntry]) -> np.ndarray | None:
+    """Samples in source (dataset) order, whatever order the engine finished and the shards were
+    committed in; None (manifest order) for a manifest that does not list source indices."""
+    if not entries or any(e.source_indices is None for e in entries):
+        return None
+    return np.argsort(np.concatenate([np.asarray(e.source_indices, dtype=np.int64) for e in entries]), kind="stable")
+
+
 def open_shards(path: str | Path, cache_shards: int = 4) -> ShardDataset:
     """Open an hsx output directory (through its manifest) or a single shard file."""
     path = Path(path)
     if path.is_dir():
         m = load_manifest(path)
         paths = [path / s.file for s in m.shards]
-        return ShardDataset(paths, list(m.shards), [s.samples for s in m.shards], m.metadata, m.errors, cache_shards)
+        return ShardDataset(paths, list(m.shards), [s.samples for s in m.shards], m.metadata, m.errors, cache_shards,
+                            _source_order(m.shards))
     if not path.exists():
         raise ShardError(f"{path}: no such file or directory")
     entry = None

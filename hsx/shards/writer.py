@@ -204,6 +204,7 @@ class ShardSink:
         self._buffer_bytes = 0
         self._writer: ShardWriter | None = None
         self._ids: list[str] = []
+        self._sources: list[int] = []
         self._shard_bytes = 0
         self._pending_errors: list[ErrorRecord] = []
         self.names = names or shard_name
@@ -215,6 +216,7 @@ class ShardSink:
         self._buffer.append(record)
         self._buffer_bytes += record.nbytes()
         self._ids.append(record.sample_id)
+        self._sources.append(int(record.source_index))
         if self._buffer_bytes >= self.row_group_bytes:
             self._flush_row_group()
         if self._shard_bytes + self._buffer_bytes >= self.max_shard_bytes or len(self._ids) >= self.max_shard_samples:
@@ -245,10 +247,11 @@ class ShardSink:
             os.replace(tmp, final)
             fsync_dir(self.dir)
             self.manifest.shards.append(
-                ShardEntry(final.name, stats.samples, stats.rows, stats.tokens, stats.bytes, file_checksum(final), list(self._ids))
+                ShardEntry(final.name, stats.samples, stats.rows, stats.tokens, stats.bytes, file_checksum(final),
+                           list(self._ids), list(self._sources))
             )
             self._next += 1
-            self._writer, self._ids, self._shard_bytes = None, [], 0
+            self._writer, self._ids, self._sources, self._shard_bytes = None, [], [], 0
         self.manifest.errors.extend(self._pending_errors)
         self._pending_errors = []
         if self.persist:

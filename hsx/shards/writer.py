@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -39,6 +39,14 @@ class Record:
     hidden: Mapping[str, torch.Tensor]  # name -> [rows, W] in the stored dtype
     accept_lens: torch.Tensor | None = None  # [verify_steps] int
     verify_steps: int | None = None  # used when accept_lens is None: an engine that reports only the count
+    # Set when ``hidden`` is still being copied from the device: an event whose ``synchronize()``
+    # returns once the copies are done (see :class:`hsx.align.AlignedSample`).
+    ready: object | None = field(default=None, repr=False, compare=False)
+
+    def wait(self) -> None:
+        """Block until ``hidden`` holds its values; every reader of the tensors calls this first."""
+        if self.ready is not None:
+            self.ready.synchronize()
 
     @property
     def num_rows(self) -> int:
@@ -121,6 +129,8 @@ class ShardWriter:
         """Write ``records`` as one row group."""
         if not records:
             return
+        for r in records:
+            r.wait()
         if self._writer is None:
             self._writer = self._open()
         for r in records:

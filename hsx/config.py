@@ -125,12 +125,9 @@ class ExtractConfig:
 
     @property
     def window_rows(self) -> int:
-        """Source rows ``[k * w, (k + 1) * w)`` scheduled together: ``--window``, else 32 batches (or a
-        ``--unit-size`` that is not a multiple of that, so that units still hold whole windows)."""
-        if self.window is not None:
-            return self.window
-        default = 32 * self.batch_size
-        return self.unit_size if self.unit_size and self.unit_size % default else default
+        """Source rows ``[k * w, (k + 1) * w)`` scheduled together: ``--window``, else 32 batches. It does
+        not depend on Ray's options, so a run with and without Ray schedules the same requests together."""
+        return self.window if self.window is not None else 32 * self.batch_size
 
     @property
     def speculative(self) -> bool:

@@ -14,11 +14,12 @@ import torch
 from tqdm.auto import tqdm
 
 from hsx.config import ExtractConfig
-from hsx.errors import HsxError, SampleError
+from hsx.errors import HsxError, SampleError, ShardError
 from hsx.shards.format import build_metadata, config_sha256
 from hsx.shards.lock import LOCK, OutputLock
 from hsx.shards.positions import sample_positions
 from hsx.shards.manifest import CONFIG, MANIFEST, Manifest, atomic_write_bytes, load_manifest, save_manifest
+from hsx.shards.background import BackgroundSink
 from hsx.shards.writer import Record, ShardSink
 
 
@@ -37,6 +38,8 @@ class RunSummary:
     seconds: float = 0.0
     workers: int = 0  # Ray workers (0: this process ran the engine)
     retried: int = 0  # units sent to another worker after theirs was lost
+    writer_blocked_s: float = 0.0  # the engine's thread waited this long for the shard writer (backpressure)
+    writer_busy_s: float = 0.0  # the shard writer's thread spent this long encoding and writing
 
     def count(self, sample, rows: int) -> None:
         completion = sample.input_ids.numel() - sample.prompt_len
@@ -212,10 +215,11 @@ def _record(prompt, sample, mode: str, keep: str) -> Record:
         loss_mask = torch.cat([loss_mask, torch.ones(completion, dtype=torch.uint8)])
     hidden = sample.hidden
     if keep != "all":  # rows of the other positions are dropped here, by the rule readers apply again
+        sample.wait()  # (on CUDA the host copies may still be in flight)
         pos = torch.from_numpy(sample_positions(keep, mode, sample.input_ids.numel(), sample.prompt_len, loss_mask.numpy()))
         hidden = {name: h[pos] for name, h in hidden.items()}
     return Record(prompt.sample_id, prompt.source_index, sample.input_ids, sample.prompt_len, loss_mask,
-                  sample.finish_reason, hidden, sample.accept_lens, sample.verify_steps)
+                  sample.finish_reason, hidden, sample.accept_lens, sample.verify_steps, ready=sample.ready)
 
 
 def make_renderer(cfg: ExtractConfig, engine, column_names) -> tuple:
@@ -308,8 +312,9 @@ def _extract_here(cfg: ExtractConfig, out: Path, overwrite: bool, progress: bool
         save_manifest(out, manifest)
 
     summary = RunSummary(str(out))
-    sink = ShardSink(out, manifest, compression=cfg.compression, max_shard_bytes=cfg.max_shard_mb << 20,
-                     max_shard_samples=cfg.max_shard_samples)
+    # shards are encoded and written on a thread of their own, behind a bounded queue
+    sink = BackgroundSink(out, manifest, compression=cfg.compression, max_shard_bytes=cfg.max_shard_mb << 20,
+                          max_shard_samples=cfg.max_shard_samples)
     bar = tqdm(total=len(rows), unit="sample", disable=not progress, dynamic_ncols=True)
     prompts = _pending_prompts(enumerate(rows), renderer, manifest.done_ids(), sink, summary, bar)
 
@@ -319,12 +324,17 @@ def _extract_here(cfg: ExtractConfig, out: Path, overwrite: bool, progress: bool
 
     try:
         run_prompts(engine, prompts, sink, summary, cfg, after_sample)
-    except KeyboardInterrupt:
-        sink.close(complete=False)  # everything finished so far becomes durable
-        bar.close()
+    except BaseException:  # Ctrl-C, or an error: everything finished so far becomes durable
+        try:
+            sink.close(complete=False)
+        except ShardError:
+            pass  # the writer's own failure, raised already or behind the error being raised
+        finally:
+            bar.close()
         raise
     sink.close(complete=True)
     bar.close()
+    summary.writer_blocked_s, summary.writer_busy_s = sink.stats.blocked_s, sink.stats.busy_s
     summary.seconds = time.perf_counter() - t0
     summary.bytes = sum((out / s.file).stat().st_size for s in manifest.shards)
     return summary

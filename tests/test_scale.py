@@ -56,7 +56,7 @@ def setup(tmp_path_factory) -> dict:
 
 def _config(setup, out: Path, **kw) -> ExtractConfig:
     base = dict(model=setup["model"], dataset=setup["data"], output=str(out), id_field="id", dtype="float32",
-                layers="final,2", max_new_tokens=10, batch_size=4, max_shard_samples=6)
+                layers="final,2", max_new_tokens=10, batch_size=4, window=8, max_shard_samples=6)
     return ExtractConfig(**{**base, **kw})
 
 
@@ -141,8 +141,12 @@ def test_units_are_windows_and_a_repeated_id_joins_its_first_row():
     assert [u.rows for u in units] == [[0, 1, 2, 3, 5, 9], [4, 6, 7], [8]]
     assert units[1].ids == ["e", "train:6", "h"]
     assert [u.rows for u in plan_units(cfg, None, 5)] == [[0, 1, 2, 3], [4]]
-    with pytest.raises(HsxError, match="multiple of --batch-size"):
-        ExtractConfig(model="m", dataset="d", output="o", batch_size=4, unit_size=6, ray=True).validate()
+    # units hold whole scheduling windows (by default 32 batches)
+    assert ExtractConfig(batch_size=4).window_rows == 128 == ExtractConfig(batch_size=4, unit_size=256).window_rows
+    with pytest.raises(HsxError, match=r"multiple of the scheduling window \(128 rows"):
+        ExtractConfig(model="m", dataset="d", output="o", batch_size=4, unit_size=8, ray=True).validate()
+    with pytest.raises(HsxError, match="multiple of the scheduling window"):
+        ExtractConfig(model="m", dataset="d", output="o", batch_size=4, window=4, unit_size=6, ray=True).validate()
 
 
 def test_hsx_and_its_cli_import_without_ray():
@@ -206,7 +210,7 @@ def test_worker_killed_mid_unit_is_retried_elsewhere(setup, reference, local_ray
 def test_driver_killed_then_resumed(setup, reference, local_ray, tmp_path, caplog):
     out = tmp_path / "killed-driver"
     args = ["extract", "--model", setup["model"], "--dataset", setup["data"], "--id-field", "id", "-o", str(out),
-            "--dtype", "float32", "--layers", "final,2", "--max-new-tokens", "10", "--batch-size", "4",
+            "--dtype", "float32", "--layers", "final,2", "--max-new-tokens", "10", "--batch-size", "4", "--window", "8",
             "--max-shard-samples", "6", "--quiet"]
     ray_args = ["--ray-address", "local", "--num-workers", "2", "--cpus-per-worker", "0.5", "--unit-size", "8"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}

@@ -19,7 +19,7 @@ from hsx.config import ExtractConfig
 from hsx.errors import HsxError
 from hsx.pipeline import RunSummary, _pending_prompts, _run_metadata, make_renderer, run_prompts
 from hsx.shards.manifest import Manifest
-from hsx.shards.writer import ShardSink
+from hsx.shards.background import BackgroundSink
 
 
 def unit_shard_name(unit: int, attempt: str, part: int) -> str:
@@ -57,13 +57,15 @@ class ExtractWorker:
         attempt = uuid.uuid4().hex[:12]
         out = Path(cfg.output)
         manifest = Manifest(metadata=self.metadata, config_hash=cfg.fingerprint())
-        sink = ShardSink(out, manifest, compression=cfg.compression, max_shard_bytes=cfg.max_shard_mb << 20,
+        sink = BackgroundSink(out, manifest, compression=cfg.compression, max_shard_bytes=cfg.max_shard_mb << 20,
                          max_shard_samples=cfg.max_shard_samples,
                          names=lambda part: unit_shard_name(unit, attempt, part), persist=False)
         summary = RunSummary(str(out))
         prompts = _pending_prompts(rows, self.renderer, set(done), sink, summary, _NoBar())
-        run_prompts(self.engine, prompts, sink, summary, cfg, lambda n: None)
-        sink.close(complete=False)
+        try:
+            run_prompts(self.engine, prompts, sink, summary, cfg, lambda n: None)
+        finally:
+            sink.close(complete=False)
         return {"unit": unit, "pid": os.getpid(), "host": socket.gethostname(),
                 "shards": [asdict(s) for s in manifest.shards], "errors": [asdict(e) for e in manifest.errors],
                 "summary": asdict(summary)}

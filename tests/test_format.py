@@ -78,7 +78,35 @@ def test_version_1_shards_still_read_bit_exact(tmp_path):
             assert torch.equal(s.positions, torch.arange(r.num_rows))
         tm = ds.tokens("l0")
         assert torch.equal(bits(tm.hidden), bits(torch.cat([r.hidden["l0"] for r in records])))
-    assert FORMAT_VERSION == 2
+    assert FORMAT_VERSION == 3
+
+
+def test_samples_come_back_in_source_order_whatever_order_they_were_written(tmp_path):
+    # an engine hands samples back as they finish: the manifest (format 3) lists each one's source index
+    meta = make_metadata([4], "float32", "prefill")
+    records = finite_records(meta, [3, 6, 2, 5, 4], seed=1)
+    written = [records[i] for i in (3, 0, 4, 1, 2)]
+    m = write_sink(tmp_path / "out", meta, written, max_shard_samples=2)
+    assert [e.source_indices for e in m.shards] == [[1003, 1000], [1004, 1001], [1002]]
+    ds = hsx.open(tmp_path / "out")
+    assert [s.source_index for s in ds] == [1000, 1001, 1002, 1003, 1004]
+    assert ds.sample_ids == [r.sample_id for r in records]
+    for r, s in zip(records, ds):
+        assert torch.equal(bits(s.hidden("l0")), bits(r.hidden["l0"]))
+    tm = ds.tokens("l0")  # rows name their sample by its index in this (source) order
+    for i, r in enumerate(records):
+        assert torch.equal(bits(tm.hidden[tm.sample_index == i]), bits(r.hidden["l0"]))
+    loader = hsx.tokens_loader(tmp_path / "out", batch_size=64)
+    got = {int(i): n for i, n in zip(*np.unique(np.concatenate([b["sample_index"].numpy() for b in loader]), return_counts=True))}
+    assert got == {i: r.num_rows for i, r in enumerate(records)}
+    assert ds.table()["source_index"].to_pylist() == [1000, 1001, 1002, 1003, 1004]
+
+    # a format-2 manifest lists no source indices: manifest order, as written
+    raw = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    for e in raw["shards"]:
+        del e["source_indices"]
+    (tmp_path / "out" / "manifest.json").write_text(json.dumps(raw))
+    assert [s.source_index for s in hsx.open(tmp_path / "out")] == [1003, 1000, 1004, 1001, 1002]
 
 
 def test_a_row_of_the_wrong_length_is_a_shard_error_naming_the_file(tmp_path):

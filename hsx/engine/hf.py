@@ -72,6 +72,18 @@ class SamplingSettings:
             raise HsxError(f"sampling settings {self}: need max_new_tokens >= 1, temperature >= 0, 0 < top_p <= 1")
 
 
+@dataclass
+class StreamStats:
+    """How full the steps of the last :meth:`HFEngine.stream` ran."""
+
+    admissions: int = 0  # prefill forwards that admitted waiting requests
+    steps: int = 0  # decode / verify steps
+    row_steps: int = 0  # requests summed over steps (steps * slots when always full)
+    waiting_steps: int = 0  # steps taken while requests were waiting
+    waiting_full: int = 0  # ... of those, steps with every row busy (continuous batching: all of them)
+    widest_admission: int = 0  # padded prompt tokens of the largest admission of more than one request
+
+
 # The oldest transformers this engine is tested with: it passes the cache as ``cache=``, which
 # older releases ignore silently (5.19 runs every forward without a cache).
 MIN_TRANSFORMERS = "5.24"
@@ -540,6 +552,7 @@ class HFEngine:
         self.device = next(model.parameters()).device
         self.store_dtype = store_dtype
         self.padding_side = padding_side
+        self.stats = StreamStats()
         self.vocab_size = int(model.config.vocab_size)
         self.head = isinstance(draft_model, Eagle3Head)
         self.aux_sources: tuple[int, ...] = ()
@@ -604,6 +617,7 @@ class HFEngine:
         collector = Collector(self.groups, self.store_dtype)
         stride = 1 if self.spec is None else self.spec.num_draft_tokens
         state, holes = None, []
+        self.stats = stats = StreamStats()
         # the first batch allocates its cache for the longest prompt's whole run; later ones are copied into it
         extra = sampling.max_new_tokens + stride + (0 if self.spec is None else self.spec.pool_size)
         capacity = max((p.numel() for p in prompts), default=0) + extra
@@ -612,6 +626,10 @@ class HFEngine:
                 if waiting and (holes or state is None or len(state.rids) < slots):
                     free = len(holes) + slots - (0 if state is None else len(state.rids))
                     batch = _admissible(waiting, free, max_prefill_tokens)
+                    stats.admissions += 1
+                    if len(batch) > 1:
+                        width = len(batch) * max(p.numel() for _, p in batch)
+                        stats.widest_admission = max(stats.widest_admission, width)
                     new = self._start([r for r, _ in batch], [p for _, p in batch], collector, sampling, generator,
                                       capacity if state is None else 0)
                     new, finished = self._retire(new, new.pending, new.pending_len, sampling, collector, new.pending_aux)
@@ -621,6 +639,10 @@ class HFEngine:
                 if holes:  # nothing waits: the finished requests' rows leave the batch
                     state, holes = state.without(holes), []
                     continue
+                stats.steps, stats.row_steps = stats.steps + 1, stats.row_steps + len(state.rids)
+                if waiting:
+                    stats.waiting_steps += 1
+                    stats.waiting_full += len(state.rids) == slots
                 tree = self._draft_tree(state) if self.draft_model is not None else _Tree.start(state.root, 1)
                 emitted, accept_lens, hidden, aux = self._verify(state, tree, sampling, generator)
                 collector.step(state.rids, hidden, emitted, accept_lens, stride)

@@ -207,8 +207,10 @@ def models(tmp_path_factory) -> dict:
 
 
 def config(models, out: Path, **kw) -> ExtractConfig:
+    # window = batch_size: the transformers engine then runs each window as one batch, the requests
+    # the fake SGLang engine gets in one call, so fp32 rows can be compared bit for bit
     base = dict(model=models["target"], dataset=models["data"], output=str(out), id_field="id", dtype="float32",
-                layers="final", max_new_tokens=10, batch_size=3, device="cpu", sglang_capture="lists")
+                layers="final", max_new_tokens=10, batch_size=3, window=3, device="cpu", sglang_capture="lists")
     base.update(kw)
     return ExtractConfig(**base)
 

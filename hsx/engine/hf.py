@@ -259,7 +259,7 @@ class _KV:
         self.lens = torch.zeros(batch, dtype=torch.long, device=device)  # [B] committed tokens per row
         self.width = 0  # committed slots (max of lens)
         self._pos = torch.zeros(batch, max(capacity, 1), dtype=torch.long, device=device)  # every slot's position
-        self.filled = 0  # slots written since... committed + uncommitted
+        self.filled = 0  # slots written: the committed width plus those not committed yet
 
     @property
     def lengths(self) -> torch.Tensor:

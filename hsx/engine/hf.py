@@ -209,10 +209,9 @@ class _SlotLayer(DynamicLayer):
 
     def move(self, start: int, order: torch.Tensor, dest: torch.Tensor) -> None:
         """Slots ``start + order [B, m]`` of each row go to slots ``dest [B, m]`` (read all, then write)."""
+        rows = torch.arange(order.shape[0], device=order.device)[:, None].expand_as(order)
         for buf in (self.k_buf, self.v_buf):
-            heads, dim = buf.shape[1], buf.shape[3]
-            src = buf[:, :, start : start + order.shape[1]].gather(2, order[:, None, :, None].expand(-1, heads, -1, dim))
-            buf.scatter_(2, dest[:, None, :, None].expand(-1, heads, -1, dim), src)
+            buf[rows, :, dest] = buf[rows, :, start + order]  # [B, m, heads, dim]
 
     def select(self, rows: torch.Tensor) -> None:
         self.k_buf, self.v_buf = self.k_buf[rows], self.v_buf[rows]

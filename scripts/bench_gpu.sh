@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Prefill extraction at Llama-3.1-8B's shape on a GPU: hsx extract vs a bare transformers forward.
+# NOT YET MEASURED ON A GPU (only `--tiny` has been run, on a CPU). Needs no download.
+#
+#   bash scripts/bench_gpu.sh                                 # 2,000 prompts of 500-600 tokens, cuda
+#   bash scripts/bench_gpu.sh --prompts 500 --out /scratch/b  # smaller, elsewhere
+#   bash scripts/bench_gpu.sh --tiny                          # CPU smoke test
+#
+# Estimated under 7 minutes on one H200 (model build and save included); needs about 52 GB of free
+# disk under --out (default bench_out/gpu). Every option: scripts/bench_gpu.py --help.
+# Python: $PYTHON, else .venv/bin/python in the repository, else python3.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PY="${PYTHON:-}"
+if [[ -z "$PY" ]]; then
+  if [[ -x "$ROOT/.venv/bin/python" ]]; then PY="$ROOT/.venv/bin/python"; else PY=python3; fi
+fi
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+exec "$PY" "$ROOT/scripts/bench_gpu.py" "$@"

@@ -22,6 +22,7 @@ tree and checked on one short forward before the engine is used (``families.chec
 
 from __future__ import annotations
 
+import inspect
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
@@ -105,6 +106,7 @@ class _Driven:
     model: torch.nn.Module
     plan: AttentionPlan
     layout: Layout
+    slices_logits: bool = False  # forward takes logits_to_keep: lm_head runs only where logits are read
 
     @staticmethod
     def of(model, what: str) -> "_Driven":
@@ -113,7 +115,12 @@ class _Driven:
         plan = AttentionPlan.from_model(model, what)
         layout = find_layout(model, what)
         check_layout(model, layout, what)
-        return _Driven(model, plan, layout)
+        return _Driven(model, plan, layout, "logits_to_keep" in inspect.signature(model.forward).parameters)
+
+    def logits_at(self, positions: torch.Tensor | int) -> dict:
+        """Forward keywords computing logits only at ``positions`` (a 1-D tensor of sequence indices,
+        the same for every row; or an int: that many last positions), where the model can."""
+        return {"logits_to_keep": positions} if self.slices_logits else {}
 
 
 class _NormTap:
@@ -586,7 +593,8 @@ class HFEngine:
         ids, valid = _pad(prompts, self.padding_side, self.device)  # [B, P]
         positions, block = _prompt_block(valid)
         with torch.inference_mode(), _NormTap(self.target) as tap:
-            out = _forward(self.target, ids, positions, positions, block, None, hidden=True)
+            out = _forward(self.target, ids, positions, positions, block, None, hidden=True,
+                           **self.target.logits_at(1))  # rows only: the logits are not read
             cols = self._columns(out.hidden_states, tap)  # name -> [B, P, W]
             return [
                 teacher_forced(prompts[i], {name: c[i][valid[i]] for name, c in cols.items()}, self.groups, self.store_dtype)
@@ -657,11 +665,13 @@ class HFEngine:
         ids, valid = _pad(prompts, self.padding_side, self.device)  # [B, P]
         positions, block = _prompt_block(valid)
         target = _KV(self.target, len(rids), self.device, capacity)
-        with _NormTap(self.target) as tap:
-            out = target.run(ids, positions, block, hidden=True)
-        target.commit(valid)
         last = (valid.long() * torch.arange(valid.shape[1], device=self.device)).argmax(1)  # [B] last real slot
-        last_logits = out.logits[torch.arange(len(rids), device=self.device), last]  # [B, V]
+        # logits only at the rows' last positions (a few distinct ones), not [B, P, V]
+        wanted, which = torch.unique(last, return_inverse=True) if self.target.slices_logits else (None, last)
+        with _NormTap(self.target) as tap:
+            out = target.run(ids, positions, block, hidden=True, **self.target.logits_at(wanted))
+        target.commit(valid)
+        last_logits = out.logits[torch.arange(len(rids), device=self.device), which]  # [B, V]
         first = _choose(last_logits, sampling, generator)  # [B]
         cols = self._columns(out.hidden_states, tap)
         first_list = first.tolist()
@@ -680,7 +690,7 @@ class HFEngine:
             pending_aux = aux[torch.arange(len(rids), device=self.device), last][:, None]  # [B, 1, K * H]
         elif self.draft_model is not None:
             draft = _KV(self.draft, len(rids), self.device, capacity)
-            draft.run(ids, positions, block)
+            draft.run(ids, positions, block, **self.draft.logits_at(1))  # the catch-up gives the root's logits
             draft.commit(valid)
         ones = torch.ones(len(rids), dtype=torch.long, device=self.device)
         return _State(list(rids), target, draft, first[:, None], ones, torch.zeros(len(rids), dtype=torch.long),

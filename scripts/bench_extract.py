@@ -10,6 +10,11 @@ Three comparisons, in one run, on one random-init Llama built here (no download)
                return_dict_in_generate=True) on left-padded dataset-order batches, the final-layer
                state of every position (prompt rows without padding, then each decode step's row)
                gathered to CPU per sample;
+  generate-eos the same two sides on a copy of the target whose eos is reachable (completions end
+               at different lengths, as real ones do): transformers keeps a batch running until its
+               longest completion ends, hsx refills the finished rows (continuous batching); the
+               ratio is new tokens per second, since bf16 near-ties may end a completion a token
+               apart on the two sides (the counts must agree within 2%);
   speculative  hsx extract --draft-model (a perturbed copy of the target, a chain of
                --spec-num-steps) vs hsx plain decoding, same prompts and budget; the mean accept
                length is read from the output. The draft is as large as the target, so this ratio
@@ -144,7 +149,31 @@ def build_workload(work: Path, args) -> dict:
         rows = [{"id": f"{name}-{i}", "text": t} for i, t in enumerate(texts(n, lo, hi))]
         files[name] = work / f"{name}.jsonl"
         files[name].write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return {"target": work / "target", "draft": work / "draft", **files}
+    if "generate-eos" in args.only:
+        _stopping_target(work, model.to(torch.bfloat16), tok, files["generate"], args)
+    return {"target": work / "target", "draft": work / "draft", "target-eos": work / "target-eos", **files}
+
+
+def _stopping_target(work: Path, model, tok, prompts: Path, args) -> None:
+    """The target with eos made reachable, so completions end at different lengths: eos's lm_head row
+    becomes 1.001 x the row of a token the model emits in about half of its completions, so eos
+    wins wherever that token would have."""
+    import torch
+
+    texts = [json.loads(line)["text"] for line in prompts.read_text().splitlines()][:16]
+    tok.padding_side = "left"
+    with torch.inference_mode():
+        enc = tok(texts, padding=True, return_tensors="pt")
+        out = model.generate(**enc, max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+    new = out[:, enc.input_ids.shape[1]:]
+    seen = torch.zeros(len(tok), dtype=torch.long)
+    for row in new:
+        seen[row.unique()] += 1
+    t = int((seen - len(texts) // 2).abs().argmin())
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_token_id] = model.lm_head.weight[t] * 1.001
+    model.save_pretrained(work / "target-eos")
+    tok.save_pretrained(work / "target-eos")
 
 
 # --- the timed processes ---
@@ -164,10 +193,9 @@ def timed(cmd: list[str], threads: int, what: str) -> tuple[float, str]:
     return wall, p.stdout
 
 
-def hsx_side(args, work: Path, w: dict, mode: str, spec: bool, out_name: str):
+def hsx_side(args, work: Path, w: dict, mode: str, spec: bool, out_name: str, target: str = "target"):
     out = work / out_name
-    shutil.rmtree(out, ignore_errors=True)  # an existing output would be resumed, not redone
-    cmd = [sys.executable, "-m", "hsx.cli", "extract", "--model", str(w["target"]), "--dataset", str(w[mode]),
+    cmd = [sys.executable, "-m", "hsx.cli", "extract", "--model", str(w[target]), "--dataset", str(w[mode]),
            "--id-field", "id", "--output", str(out), "--mode", mode, "--layers", "final", "--dtype", "bfloat16",
            "--model-dtype", "bfloat16", "--batch-size", str(args.batch_size), "--device", "cpu", "--quiet"]
     if mode == "generate":
@@ -181,7 +209,12 @@ def hsx_side(args, work: Path, w: dict, mode: str, spec: bool, out_name: str):
     def run():
         from hsx.shards.verify import inspect
 
-        wall, _ = timed(cmd, args.threads, f"hsx extract ({out_name})")
+        shutil.rmtree(out, ignore_errors=True)  # an existing output would be resumed, not redone
+        if out.exists():
+            raise SystemExit(f"cannot remove {out}: the run would resume it")
+        wall, stdout = timed(cmd, args.threads, f"hsx extract ({out_name})")
+        if "resumed:" in stdout:
+            raise SystemExit(f"hsx extract ({out_name}) resumed an earlier output instead of running:\n{stdout}")
         s = inspect(out)
         if s["errors"]:
             raise SystemExit(f"hsx extract ({out_name}) recorded {s['errors']} input errors: {s['error_records'][:3]}")
@@ -191,8 +224,8 @@ def hsx_side(args, work: Path, w: dict, mode: str, spec: bool, out_name: str):
     return run
 
 
-def bare_side(args, w: dict, mode: str):
-    cmd = [sys.executable, __file__, f"_bare-{mode}", str(w["target"]), str(w[mode]), str(args.batch_size)]
+def bare_side(args, w: dict, mode: str, target: str = "target"):
+    cmd = [sys.executable, __file__, f"_bare-{mode}", str(w[target]), str(w[mode]), str(args.batch_size)]
     if mode == "generate":
         cmd.append(str(args.max_new_tokens))
     cmd.append(str(args.threads))
@@ -268,6 +301,21 @@ def run_comparisons(args, work: Path, w: dict) -> dict:
             results["speculative"] = {"sides": {k: res[k] for k in ("hsx speculative", "hsx plain")},
                                       **ratio(res, "hsx plain", "hsx speculative"),
                                       "mean_accept_len": res["hsx speculative"]["counts"]["mean_accept_len"]}
+    if "generate-eos" in args.only:
+        print("generate, completions ending at eos", flush=True)
+        res = measure({"hsx plain": hsx_side(args, work, w, "generate", False, "out_eos", "target-eos"),
+                       "transformers generate": bare_side(args, w, "generate", "target-eos")}, args.repeats)
+        hsx_c, hf_c = res["hsx plain"]["counts"], res["transformers generate"]["counts"]
+        check_equal("generate-eos: hsx vs transformers", hsx_c, hf_c, ("samples", "prompt_tokens"))
+        # bf16 near-ties may end a completion a token apart on the two sides: throughput, not wall time
+        if abs(hsx_c["new_tokens"] - hf_c["new_tokens"]) > 0.02 * hf_c["new_tokens"]:
+            raise SystemExit(f"generate-eos: new tokens differ by more than 2%: {hsx_c} vs {hf_c}")
+        speed = {k: res[k]["counts"]["new_tokens"] / res[k]["median_s"] for k in res}
+        best = {k: res[k]["counts"]["new_tokens"] / res[k]["min_s"] for k in res}
+        results["generate-eos"] = {"sides": res, "ratio_median": speed["hsx plain"] / speed["transformers generate"],
+                                   "ratio_min": best["hsx plain"] / best["transformers generate"],
+                                   "target": TARGETS["generate"],
+                                   "mean_new_tokens": hsx_c["new_tokens"] / hsx_c["samples"]}
     for name, r in results.items():
         if "target" in r:
             r["pass"] = r["ratio_median"] >= r["target"]
@@ -288,9 +336,13 @@ def print_report(args, results: dict) -> None:
         acc = r["mean_accept_len"]
         print(f"\nspeculative hsx chain ({args.spec_num_steps} steps) / hsx plain = {r['ratio_median']:.2f}x "
               f"(min-based {r['ratio_min']:.2f}x), mean accept length {acc:.2f} tokens/verify step")
-    labels = {"prefill": "prefill  hsx / bare forward          ", "generate": "generate hsx / transformers generate "}
+    labels = {"prefill": "prefill  hsx / bare forward          ", "generate": "generate hsx / transformers generate ",
+              "generate-eos": "generate, ending at eos (new tok/s)  "}
+    if "generate-eos" in results:
+        print(f"\ngenerate-eos: completions end at eos, {results['generate-eos']['mean_new_tokens']:.1f} new tokens "
+              f"per prompt on average (of {args.max_new_tokens})")
     print()
-    for name in ("prefill", "generate"):
+    for name in ("prefill", "generate", "generate-eos"):
         if name in results:
             r = results[name]
             print(f"{labels[name]} = {r['ratio_median']:.2f}x  (min-based {r['ratio_min']:.2f}x; target >= "
@@ -306,7 +358,7 @@ def parse_args(argv=None):
     ap.add_argument("--quick", action="store_true", help=f"tiny sizes (about a minute): {QUICK}; explicit flags win")
     ap.add_argument("--repeats", type=int, help="runs per side (default 3)")
     ap.add_argument("--threads", type=int, default=2, help="threads pinned on every side")
-    ap.add_argument("--only", default="prefill,generate,speculative", help="comma-separated comparisons to run")
+    ap.add_argument("--only", default="prefill,generate,generate-eos,speculative", help="comma-separated comparisons to run")
     ap.add_argument("--blocks", type=int)
     ap.add_argument("--hidden", type=int)
     ap.add_argument("--heads", type=int)
@@ -334,7 +386,7 @@ def parse_args(argv=None):
         if getattr(args, k) is None:
             setattr(args, k, QUICK[k] if args.quick else v)
     args.only = [x.strip() for x in args.only.split(",") if x.strip()]
-    unknown = set(args.only) - {"prefill", "generate", "speculative"}
+    unknown = set(args.only) - {"prefill", "generate", "generate-eos", "speculative"}
     if unknown:
         ap.error(f"--only: unknown comparisons {sorted(unknown)}")
     return args

@@ -19,4 +19,11 @@ if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# hsx's own requirements (scripts/setup.sh installs them): the transformers engine needs >= 5.24
+"$PY" - <<'CHECK' || { echo "bench_gpu.sh: install hsx's requirements first (bash scripts/setup.sh)" >&2; exit 2; }
+import datasets, pyarrow, typer, transformers
+from packaging.version import Version
+from hsx.engine.hf import MIN_TRANSFORMERS
+assert Version(transformers.__version__) >= Version(MIN_TRANSFORMERS), f"transformers {transformers.__version__} < {MIN_TRANSFORMERS}"
+CHECK
 exec "$PY" "$ROOT/scripts/bench_gpu.py" "$@"

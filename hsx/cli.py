@@ -155,7 +155,7 @@ def extract(
     max_length: Annotated[Optional[int], _opt("Longest prompt accepted (default: the model's context length).")] = None,
     batch_size: Annotated[int, _cfg("Rows per forward: requests decoding together (generate), sequences per forward (prefill).")] = _D.batch_size,
     max_batch_tokens: Annotated[Optional[int], _opt("Padded prompt tokens per prefill forward, both modes (default: no limit; raise --batch-size with it).")] = None,
-    window: Annotated[Optional[int], _opt("Source rows scheduled together, sorted by length (default 32 batches).")] = None,
+    window: Annotated[Optional[int], _opt("Source rows scheduled together, sorted by length in prefill mode (default 32 batches).")] = None,
     max_new_tokens: Annotated[int, _cfg("Completion budget per sample in generate mode.")] = _D.max_new_tokens,
     temperature: Annotated[float, _cfg("Sampling temperature; 0 = greedy.")] = _D.temperature,
     top_p: Annotated[float, _cfg("Nucleus sampling threshold.")] = _D.top_p,

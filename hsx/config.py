@@ -43,7 +43,7 @@ class ExtractConfig:
     # decoding
     batch_size: int = 8  # rows per forward: requests decoding together (generate), sequences per forward (prefill)
     max_batch_tokens: int | None = None  # padded prompt tokens per prefill forward (both modes); None: no limit
-    window: int | None = None  # source rows scheduled together (sorted by length); default 32 batches
+    window: int | None = None  # source rows scheduled together (prefill: sorted by length); default 32 batches
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0

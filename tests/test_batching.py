@@ -143,3 +143,20 @@ def test_stream_is_reproducible_when_sampling():
     for rid in a:
         assert torch.equal(a[rid].input_ids, b[rid].input_ids)
         assert torch.equal(a[rid].hidden["final"], b[rid].hidden["final"])
+
+
+def test_cache_storage_allocated_ahead_is_zero_not_garbage():
+    # stale slots are masked, but a masked NaN (or a huge garbage score) still poisons the softmax:
+    # storage handed out ahead of use must hold finite values
+    from hsx.engine.hf import _SlotLayer
+
+    poison = torch.full((1 << 22,), float("nan"), dtype=torch.bfloat16)  # leave NaNs in freed memory
+    del poison
+    layer = _SlotLayer(capacity=64)
+    k = torch.randn(3, 2, 5, 8, dtype=torch.bfloat16)
+    keys, values = layer.update(k, k.clone())
+    assert keys.shape == (3, 2, 5, 8) and torch.equal(keys, k)
+    assert layer.k_buf.shape[2] == 64 and bool((layer.k_buf[:, :, 5:] == 0).all())
+    layer.update(torch.randn(3, 2, 70, 8, dtype=torch.bfloat16), torch.randn(3, 2, 70, 8, dtype=torch.bfloat16))
+    assert layer.width == 75 and layer.k_buf.shape[2] >= 75
+    assert bool((layer.k_buf[:, :, 75:] == 0).all()) and bool((layer.v_buf[:, :, 75:] == 0).all())

@@ -175,8 +175,8 @@ class _SlotLayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device = key_states.device
-        self.k_buf = key_states.new_empty(*key_states.shape[:2], 0, key_states.shape[3])
-        self.v_buf = value_states.new_empty(*value_states.shape[:2], 0, value_states.shape[3])
+        self.k_buf = key_states.new_zeros(*key_states.shape[:2], 0, key_states.shape[3])
+        self.v_buf = value_states.new_zeros(*value_states.shape[:2], 0, value_states.shape[3])
         self.is_initialized = True
         self.reserve(max(self.capacity_hint, key_states.shape[2]))
 
@@ -188,7 +188,7 @@ class _SlotLayer(DynamicLayer):
         cap = max(need, 2 * cap)
         for name in ("k_buf", "v_buf"):
             old = getattr(self, name)
-            new = old.new_empty(*old.shape[:2], cap, old.shape[3])
+            new = old.new_zeros(*old.shape[:2], cap, old.shape[3])  # never garbage: a masked NaN still poisons a softmax
             new[:, :, : self.width] = old[:, :, : self.width]
             setattr(self, name, new)
         self._views()

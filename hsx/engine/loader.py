@@ -8,7 +8,7 @@ import torch
 
 from hsx.align import LayerGroup, ModelShape, parse_layers
 from hsx.config import ExtractConfig
-from hsx.engine.batching import longest_first, prefill_batches
+from hsx.engine.batching import prefill_batches
 from hsx.errors import HsxError
 from hsx.shards.format import DTYPES
 
@@ -108,14 +108,14 @@ class HFRunner:
         return self.engine.generate(requests, self.sampling)
 
     def stream(self, prompts) -> Iterator[tuple]:
-        """``(prompt, sample)`` for a window of prompts, as each finishes, longest prompts first.
+        """``(prompt, sample)`` for a window of prompts, as each finishes.
 
-        Prefill: forwards of at most ``batch_size`` sequences and ``max_batch_tokens`` padded
-        tokens. Generate: continuous batching over ``batch_size`` rows, each admission's prefill
-        within ``max_batch_tokens``.
+        Prefill: longest first, forwards of at most ``batch_size`` sequences and ``max_batch_tokens``
+        padded tokens. Generate: continuous batching over ``batch_size`` rows, requests admitted in
+        window order (completion lengths, not prompt lengths, decide when rows free up), each
+        admission's prefill within ``max_batch_tokens``.
         """
         cfg = self.cfg
-        order = longest_first([len(p.input_ids) for p in prompts])
         if cfg.mode == "prefill":
             lengths = [len(p.input_ids) for p in prompts]
             for batch in prefill_batches(lengths, cfg.batch_size, cfg.max_batch_tokens):
@@ -123,7 +123,7 @@ class HFRunner:
                 yield from zip(chosen, self.run(chosen))
             return
         by_id = {p.sample_id: p for p in prompts}
-        requests = [(prompts[i].sample_id, torch.tensor(prompts[i].input_ids, dtype=torch.int64)) for i in order]
+        requests = [(p.sample_id, torch.tensor(p.input_ids, dtype=torch.int64)) for p in prompts]
         for rid, sample in self.engine.stream(requests, self.sampling, slots=cfg.batch_size,
                                               max_prefill_tokens=cfg.max_batch_tokens):
             yield by_id[rid], sample

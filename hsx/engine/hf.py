@@ -482,7 +482,7 @@ def _widen(t: torch.Tensor, width: int) -> torch.Tensor:
 def _admissible(waiting: deque, free: int, max_tokens: int | None) -> list:
     """Pop the next requests to prefill together: at most ``free`` of them, and (after the first)
     only while the padded batch stays within ``max_tokens`` prompt tokens."""
-    batch, width = [waiting.popleft()], 0
+    batch = [waiting.popleft()]
     width = batch[0][1].numel()
     while waiting and len(batch) < free:
         w = max(width, waiting[0][1].numel())

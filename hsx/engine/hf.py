@@ -275,9 +275,6 @@ class _KV:
     def pos(self) -> torch.Tensor:
         return self._pos[:, : self.filled]
 
-    def _layers(self) -> list:
-        return self.cache.layers
-
     def run(self, input_ids, positions, block, hidden: bool = False, **extra):
         """Forward ``input_ids [B, q]`` at ``positions [B, q]``; ``block [B, q, uncommitted + q]`` is
         visibility among new slots."""
@@ -305,19 +302,19 @@ class _KV:
         order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices  # [B, n] kept slots first
         dest = self.lens[:, None] + torch.arange(n, device=keep.device)  # [B, n]
         if n and bool(kept.any()) and not bool((dest == start + order).all()):
-            for layer in self._layers():
+            for layer in self.cache.layers:
                 layer.move(start, order, dest)
             self._pos.scatter_(1, dest, self._pos[:, start : start + n].gather(1, order))
         self.lens = self.lens + kept
         self.width = int(self.lens.max()) if self.lens.numel() else 0
         self.filled = self.width
-        for layer in self._layers():
+        for layer in self.cache.layers:
             layer.set_width(self.width)
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only batch rows ``rows`` (finished requests leave the batch)."""
         self._check_committed("select")
-        for layer in self._layers():
+        for layer in self.cache.layers:
             layer.select(rows)
         self.lens, self._pos = self.lens[rows], self._pos[rows]
         self.commit(self._none())
@@ -327,7 +324,7 @@ class _KV:
         overwritten in place: only the new request's slots are copied)."""
         self._check_committed("put")
         other._check_committed("put")
-        for layer, theirs in zip(self._layers(), other._layers()):
+        for layer, theirs in zip(self.cache.layers, other.cache.layers):
             layer.put(rows, theirs, src)
         self._reserve_pos(other.width)
         self._pos[rows, : other.width] = other._pos[src, : other.width]
@@ -339,7 +336,7 @@ class _KV:
         """Append the requests in rows ``src`` of ``other`` to this batch."""
         self._check_committed("extend")
         other._check_committed("extend")
-        for layer, theirs in zip(self._layers(), other._layers()):
+        for layer, theirs in zip(self.cache.layers, other.cache.layers):
             layer.extend(theirs, src)
         self._reserve_pos(other.width)
         theirs = other._pos[src, : other.width]
@@ -427,6 +424,11 @@ class _State:
     def root(self) -> torch.Tensor:
         return self.pending.gather(1, (self.pending_len - 1)[:, None])[:, 0]  # [B]
 
+    @property
+    def free(self) -> list[int]:
+        """Rows whose request finished (their id is None): a waiting request may take them."""
+        return [i for i, rid in enumerate(self.rids) if rid is None]
+
     def without(self, rows: list[int]) -> "_State":
         """The state without batch rows ``rows``."""
         keep = torch.ones(len(self.rids), dtype=torch.bool)
@@ -442,9 +444,10 @@ class _State:
             None if self.pending_aux is None else self.pending_aux[dev],
         )
 
-    def admit(self, holes: list[int], new: "_State") -> "_State":
-        """``new``'s requests take the free rows ``holes`` first, the rest are appended; holes left over
+    def admit(self, new: "_State") -> "_State":
+        """``new``'s requests take the free rows first, the rest are appended; free rows left over
         leave the batch. Only the new requests' slots are copied (a freed row is overwritten in place)."""
+        holes = self.free
         h = min(len(holes), len(new.rids))
         dev = self.pending.device
         fill, src, rest = torch.tensor(holes[:h], dtype=torch.long), torch.arange(h), torch.arange(h, len(new.rids))
@@ -491,15 +494,6 @@ def _admissible(waiting: deque, free: int, max_tokens: int | None) -> list:
         batch.append(waiting.popleft())
         width = w
     return batch
-
-
-def _merge(state: "_State | None", holes: list[int], new: "_State") -> tuple["_State", list[int]]:
-    """The running state with ``new``'s requests admitted, and its free rows after that."""
-    if state is None:
-        merged = new
-    else:
-        merged = state.admit(holes, new)
-    return merged, [i for i, rid in enumerate(merged.rids) if rid is None]
 
 
 def _choose(logits: torch.Tensor, sampling: SamplingSettings, generator: torch.Generator) -> torch.Tensor:
@@ -623,16 +617,16 @@ class HFEngine:
         generator = torch.Generator(device=self.device).manual_seed(sampling.seed)
         collector = Collector(self.groups, self.store_dtype)
         stride = 1 if self.spec is None else self.spec.num_draft_tokens
-        state, holes = None, []
+        state = None
         self.stats = stats = StreamStats()
         # the first batch allocates its cache for the longest prompt's whole run; later ones are copied into it
         extra = sampling.max_new_tokens + stride + (0 if self.spec is None else self.spec.pool_size)
         capacity = max((p.numel() for p in prompts), default=0) + extra
         with torch.inference_mode():
-            while waiting or (state is not None and len(state.rids) > len(holes)):
-                if waiting and (holes or state is None or len(state.rids) < slots):
-                    free = len(holes) + slots - (0 if state is None else len(state.rids))
-                    batch = _admissible(waiting, free, max_prefill_tokens)
+            while waiting or (state is not None and len(state.rids) > len(state.free)):
+                busy = 0 if state is None else len(state.rids) - len(state.free)
+                if waiting and busy < slots:
+                    batch = _admissible(waiting, slots - busy, max_prefill_tokens)
                     stats.admissions += 1
                     if len(batch) > 1:
                         width = len(batch) * max(p.numel() for _, p in batch)
@@ -641,10 +635,10 @@ class HFEngine:
                                       capacity if state is None else 0)
                     new, finished = self._retire(new, new.pending, new.pending_len, sampling, collector, new.pending_aux)
                     yield from finished
-                    state, holes = _merge(state, holes, new)
+                    state = new if state is None else state.admit(new)
                     continue
-                if holes:  # nothing waits: the finished requests' rows leave the batch
-                    state, holes = state.without(holes), []
+                if state.free:  # nothing waits: the finished requests' rows leave the batch
+                    state = state.without(state.free)
                     continue
                 stats.steps, stats.row_steps = stats.steps + 1, stats.row_steps + len(state.rids)
                 if waiting:
@@ -654,7 +648,6 @@ class HFEngine:
                 emitted, accept_lens, hidden, aux = self._verify(state, tree, sampling, generator)
                 collector.step(state.rids, hidden, emitted, accept_lens, stride)
                 state, finished = self._retire(state, emitted, accept_lens, sampling, collector, aux)
-                holes = [i for i, rid in enumerate(state.rids) if rid is None]
                 yield from finished
 
     # ---- steps ---------------------------------------------------------------------------

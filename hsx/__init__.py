@@ -17,12 +17,13 @@ __version__ = "0.1.0"
 
 from hsx.errors import AlignmentError, HsxError, SampleError, ShardError  # noqa: E402
 
+__all__ = ["__version__", "HsxError", "AlignmentError", "SampleError", "ShardError", "open", "tokens_loader"]
+
 # name -> the module that defines it, imported when the name is first used
 _LAZY = {"extract": "hsx.pipeline", "RunSummary": "hsx.pipeline", "ExtractConfig": "hsx.config"}
 SUBMODULES = ("align", "analysis", "config", "data", "demo", "eagle3", "engine", "pipeline", "recompute", "report",
               "scale", "shards")
-
-__all__ = ["__version__", "HsxError", "AlignmentError", "SampleError", "ShardError", "open", "tokens_loader", *_LAZY]
+__all__ += list(_LAZY)
 
 
 def __getattr__(name: str):

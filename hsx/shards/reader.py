@@ -345,7 +345,7 @@ class ShardDataset:
             raw = np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else np.zeros((0, 1), np.uint8)
             if not in_place:
                 raw = np.take(raw, order, axis=0) if len(order) else raw[:0]
-            h = torch.from_numpy(np.ascontiguousarray(raw)).view(dtype).view(-1, width) if raw.size else \
+            h = _np_to_torch(np.ascontiguousarray(raw)).view(dtype).view(-1, width) if raw.size else \
                 torch.empty((0, width), dtype=dtype)
         as_torch = lambda a: torch.from_numpy(a if in_place else a[order])
         # the same contract whether h is a view or a copy: read-only, clone to modify

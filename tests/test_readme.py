@@ -145,11 +145,17 @@ def tour(tmp_path_factory) -> Path:
     return root
 
 
-def run_shell(line: str, cwd: Path) -> subprocess.CompletedProcess:
+def tool_env() -> dict[str, str]:
+    """This interpreter's venv first on PATH (the README's commands run inside it), this checkout first
+    on PYTHONPATH, and matplotlib's backend left for the notebook's kernel to choose."""
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     env.pop("MPLBACKEND", None)
-    return subprocess.run(["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return env
+
+
+def run_shell(line: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", line], cwd=cwd, env=tool_env(), capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.slow
@@ -159,9 +165,10 @@ def test_the_tour_runs_as_written(tour, monkeypatch):
     runner = CliRunner()
     ran = []
     for lang, body, line in code_blocks(README.read_text()):
-        if lang == "python":
-            namespace: dict = {}
-            exec(compile(body, f"README.md:{line}", "exec"), namespace)  # raises where the snippet fails
+        if lang == "python":  # in a fresh interpreter, as a reader would run it
+            proc = subprocess.run([sys.executable, "-c", body], cwd=tour, env=tool_env(), capture_output=True,
+                                  text=True, timeout=600)
+            assert proc.returncode == 0, f"README.md:{line}: the Python block fails\n{proc.stderr[-3000:]}"
             ran.append(f"python block at line {line}")
             continue
         if lang != "bash":

@@ -1,10 +1,37 @@
-"""hsx: per-token hidden states from speculative decoding engines, aligned and stored as Parquet shards."""
+"""hsx: per-token hidden states from speculative decoding engines, aligned and stored as Parquet shards.
+
+From Python::
+
+    import hsx
+    cfg = hsx.ExtractConfig(model=..., dataset=..., output="out")
+    summary = hsx.extract(cfg, progress=False)  # progress=False: the CLI's --quiet
+    ds = hsx.open("out")
+
+``import hsx`` loads nothing heavy: ``extract``, ``ExtractConfig`` and the subpackages
+(``hsx.pipeline``, ``hsx.recompute``, ``hsx.analysis``, ...) are imported on first use.
+"""
+
+from importlib import import_module
 
 __version__ = "0.1.0"
 
 from hsx.errors import AlignmentError, HsxError, SampleError, ShardError  # noqa: E402
 
 __all__ = ["__version__", "HsxError", "AlignmentError", "SampleError", "ShardError", "open", "tokens_loader"]
+
+# name -> the module that defines it, imported when the name is first used
+_LAZY = {"extract": "hsx.pipeline", "RunSummary": "hsx.pipeline", "ExtractConfig": "hsx.config"}
+SUBMODULES = ("align", "analysis", "config", "data", "demo", "eagle3", "engine", "pipeline", "recompute", "report",
+              "scale", "shards")
+__all__ += list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    if name in SUBMODULES:
+        return import_module(f"hsx.{name}")
+    raise AttributeError(f"module 'hsx' has no attribute {name!r}")
 
 
 def open(path, **kwargs):  # noqa: A001 - the public name is hsx.open

@@ -16,8 +16,18 @@ from hsx.shards.positions import check_rule
 Mode = Literal["generate", "prefill"]
 
 
+# options of one run of the command, not of what it extracts (they stay out of the config hash)
+RUN_OPTIONS = {"quiet": "progress=False", "overwrite": "overwrite=True"}
+
+
 @dataclass
 class ExtractConfig:
+    """What an extraction produces: the model, the data, what to capture and how to decode.
+
+    How a run reports or replaces output is not part of it: the CLI's ``--quiet`` and
+    ``--overwrite`` are ``hsx.extract(cfg, progress=False, overwrite=True)`` from Python.
+    """
+
     # what to run
     model: str = ""
     draft_model: str | None = None
@@ -155,7 +165,9 @@ class ExtractConfig:
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
-            raise HsxError(f"{where}: unknown keys {unknown}; known keys: {sorted(names)}")
+            run = [f"{k} (hsx.extract(cfg, {RUN_OPTIONS[k]}), or --{k})" for k in unknown if k in RUN_OPTIONS]
+            hint = f"; {', '.join(run)} belong to a run, not to its configuration" if run else ""
+            raise HsxError(f"{where}: unknown keys {unknown}{hint}; known keys: {sorted(names)}")
         return cls(**d)
 
     @classmethod

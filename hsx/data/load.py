@@ -10,6 +10,8 @@
 5. otherwise a hub name. Something that looks like a path but does not exist fails here instead of
    being sent to the hub.
 
+A source (or split) with no rows is an error naming it: an empty file, a csv with only its header.
+
 Every failure of the underlying library surfaces as :class:`~hsx.errors.HsxError` naming the source.
 """
 
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import datasets
 import pyarrow as pa
+import pyarrow.parquet as pq
 import xxhash
 
 from hsx.errors import HsxError
@@ -47,6 +50,8 @@ def load_rows(source: str, split: str = "train", limit: int | None = None, data_
         ds = splits[split]
     else:
         raise HsxError(f"dataset {source!r} has no split {split!r}; available splits: {sorted(splits)}")
+    if len(ds) == 0:
+        raise HsxError(f"dataset {source!r}: no rows in split {split!r}")
     if limit is not None and limit < len(ds):
         ds = ds.select(range(limit))
     return ds
@@ -65,6 +70,7 @@ def _open(source: str, data_files) -> datasets.DatasetDict | datasets.Dataset:
                 with _quiet_json_log():  # its message counts rows from 0; check_json names the line
                     return datasets.load_dataset(builder, data_files={"train": str(path)})
             except Exception:
+                check_has_rows(path, builder)  # an empty file fails inside the library with no message
                 if builder == "json":
                     check_json(path)  # names the first bad line, if that is what went wrong
                 raise
@@ -78,6 +84,8 @@ def _open(source: str, data_files) -> datasets.DatasetDict | datasets.Dataset:
     except HsxError:
         raise
     except Exception as exc:  # the library raises many unrelated types; all mean "cannot read this source"
+        if "corresponds to no data" in str(exc):  # its words for a split with no rows
+            raise HsxError(f"dataset {source!r}: no rows (the split is empty)") from exc
         hint = ""
         if isinstance(exc, ConnectionError) or "Hub" in str(exc):
             hint = " (hub datasets need network access; download it elsewhere and pass the local path)"
@@ -122,6 +130,27 @@ def check_utf8(path: Path, chunk: int = 16 << 20) -> None:
             if not block:
                 return
             done += len(block)
+
+
+def check_has_rows(path: Path, builder: str) -> None:
+    """Refuse a file with no rows: nothing but whitespace, (csv) nothing after the header, (parquet) a
+    footer that counts none."""
+    if builder == "parquet":
+        try:
+            rows = pq.read_metadata(path).num_rows
+        except (pa.ArrowException, OSError):
+            return  # not a Parquet file: the library's own error says so
+        if rows == 0:
+            raise HsxError(f"{path}: no rows (the Parquet file holds none)")
+        return
+    lines = 0
+    with open(path, "rb") as f:
+        for line in f:  # stops at the first row: cheap for any file that has one
+            lines += bool(line.strip())
+            if lines > (builder == "csv"):
+                return
+    what = "only a header line" if lines else "the file is empty"
+    raise HsxError(f"{path}: no rows ({what}); expected {'JSON objects, one per line' if builder == 'json' else 'a header line, then rows'}")
 
 
 def check_json(path: Path) -> None:

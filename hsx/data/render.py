@@ -30,8 +30,10 @@ prefill
     spans are found in the rendered text: an assistant turn i spans from the end of the rendering
     of turns[:i] with a generation prompt to the end of the rendering of turns[:i + 1], minus
     trailing whitespace (the separator before the next turn); tokens overlapping a span get 1.
-    That needs each prefix rendering to be a prefix of the full text, which is checked. Plain text
-    has 1 on every token. A sequence longer than ``max_length`` is rejected.
+    That needs each prefix rendering to be a prefix of the full text, which is checked. An empty
+    (or whitespace) assistant turn is rejected: its mask would hold the end-of-turn token alone.
+    Plain text has 1 on every token but the special tokens the tokenizer adds (BOS, EOS). A
+    sequence longer than ``max_length`` is rejected.
 """
 
 from __future__ import annotations
@@ -137,10 +139,18 @@ class Renderer:
             raise SampleError(sample_id, f"column {column!r}: expected a string, found {type(text).__name__}")
         if not text.strip():
             raise SampleError(sample_id, f"column {column!r}: text is empty or whitespace")
-        input_ids = list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
-        return input_ids, [1 if self.mode == "prefill" else 0] * len(input_ids)
+        encoded = self.tokenizer(text, add_special_tokens=True, return_special_tokens_mask=True)
+        input_ids = list(encoded["input_ids"])
+        if self.mode == "generate":
+            return input_ids, [0] * len(input_ids)
+        return input_ids, [1 - int(m) for m in encoded["special_tokens_mask"]]  # BOS/EOS the tokenizer adds: 0
 
     def _render_chat(self, sample_id: str, turns: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+        if self.mode == "prefill":
+            empty = next((i for i, t in enumerate(turns) if t["role"] == "assistant" and not t["content"].strip()), None)
+            if empty is not None:
+                raise SampleError(sample_id, f"turn {empty}: the assistant turn is empty or whitespace; in prefill "
+                                  "mode its loss mask would be the end-of-turn token alone (a missing reply?)")
         if self.mode == "generate":
             if turns[-1]["role"] == "assistant":
                 turns = turns[:-1]

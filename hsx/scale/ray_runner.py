@@ -12,7 +12,6 @@ leaves uncommitted files (ignored by readers, listed by ``hsx verify``).
 
 from __future__ import annotations
 
-import json
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -21,11 +20,12 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from hsx.config import ExtractConfig
+from hsx.core import RunSummary, open_rows
 from hsx.errors import HsxError
-from hsx.pipeline import RunSummary, _prepare_output, check_resume
+from hsx.output import open_manifest, prepare_output
 from hsx.scale.worker import ExtractWorker
 from hsx.shards.lock import OutputLock
-from hsx.shards.manifest import CONFIG, ErrorRecord, Manifest, ShardEntry, atomic_write_bytes, save_manifest
+from hsx.shards.manifest import ErrorRecord, Manifest, ShardEntry, save_manifest
 
 MAX_RESTARTS = 3  # per worker, done by Ray
 MAX_ATTEMPTS = 3  # per unit: a unit that kills this many workers stops the run
@@ -138,12 +138,8 @@ def _drive(cfg: ExtractConfig, out: Path, overwrite: bool, progress: bool, t0: f
     import ray
     from ray.exceptions import RayActorError
 
-    from hsx.data.load import describe, load_rows
-
-    resume = _prepare_output(out, cfg, overwrite)
-    rows_all = load_rows(cfg.dataset, cfg.split)
-    dataset_meta = describe(rows_all, cfg.dataset, cfg.split)
-    rows = rows_all.select(range(min(cfg.limit, len(rows_all)))) if cfg.limit is not None else rows_all
+    resume = prepare_output(out, cfg, overwrite)
+    rows, dataset_meta = open_rows(cfg)
     if cfg.id_field is not None and cfg.id_field not in rows.column_names:
         raise HsxError(f"--id-field {cfg.id_field!r} is not a column of the dataset; its columns are {rows.column_names}")
     id_values = list(rows[cfg.id_field]) if cfg.id_field else None
@@ -167,11 +163,7 @@ def _drive(cfg: ExtractConfig, out: Path, overwrite: bool, progress: bool, t0: f
                 differs = sorted(k for k in metadata if metadata.get(k) != info["metadata"].get(k))
                 raise HsxError(f"workers on {infos[0]['host']} and {info['host']} describe different runs "
                                f"(metadata fields {differs}): every machine needs the same hsx, model and libraries")
-        resume = check_resume(out, resume, metadata)
-        manifest = resume or Manifest(metadata=metadata, config_hash=cfg.fingerprint())
-        atomic_write_bytes(out / CONFIG, json.dumps(cfg.to_dict(), indent=1).encode())
-        if resume is None:
-            save_manifest(out, manifest)
+        manifest = open_manifest(out, cfg, resume, metadata)
         summary = RunSummary(str(out), workers=n)
         _schedule(out, rows, units, pool, manifest, summary, progress, t0)
     finally:

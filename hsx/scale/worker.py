@@ -2,7 +2,7 @@
 
 Plain Python (no Ray import): the driver wraps :class:`ExtractWorker` with ``ray.remote``. A
 unit is a list of ``(source index, row)`` pairs; the worker renders, batches and runs them
-exactly as the single-process path does (the same functions), writes its shards under names
+exactly as the single-process path does (:func:`hsx.core.results`), writes its shards under names
 no other worker or attempt can produce, and returns their manifest entries. It never touches
 ``manifest.json``: the driver alone commits.
 """
@@ -16,8 +16,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from hsx.config import ExtractConfig
+from hsx.core import RunSummary, make_renderer, results, run_metadata, write_results
 from hsx.errors import HsxError
-from hsx.pipeline import RunSummary, _pending_prompts, _run_metadata, make_renderer, run_prompts
 from hsx.shards.manifest import Manifest
 from hsx.shards.background import BackgroundSink
 
@@ -25,11 +25,6 @@ from hsx.shards.background import BackgroundSink
 def unit_shard_name(unit: int, attempt: str, part: int) -> str:
     """``shard-<unit>-<attempt>-<part>.parquet``: the attempt is drawn afresh by every call."""
     return f"shard-{unit:06d}-{attempt}-{part:02d}.parquet"
-
-
-class _NoBar:
-    def update(self, n: int = 1) -> None:
-        pass
 
 
 class ExtractWorker:
@@ -41,7 +36,7 @@ class ExtractWorker:
         try:
             self.engine = build_engine(self.cfg)
             self.renderer, chat_template = make_renderer(self.cfg, self.engine, column_names)
-            self.metadata = _run_metadata(self.cfg, self.engine, chat_template, dataset_meta)
+            self.metadata = run_metadata(self.cfg, self.engine, chat_template, dataset_meta)
         except HsxError as e:  # reported by describe(), so the driver can show the message as it is
             self.error = str(e)
 
@@ -61,9 +56,8 @@ class ExtractWorker:
                          max_shard_samples=cfg.max_shard_samples,
                          names=lambda part: unit_shard_name(unit, attempt, part), persist=False)
         summary = RunSummary(str(out))
-        prompts = _pending_prompts(rows, self.renderer, set(done), sink, summary, _NoBar())
         try:
-            run_prompts(self.engine, prompts, sink, summary, cfg, lambda n: None)
+            write_results(results(self.engine, rows, self.renderer, cfg, set(done)), sink, summary)
         finally:
             sink.close(complete=False)
         return {"unit": unit, "pid": os.getpid(), "host": socket.gethostname(),

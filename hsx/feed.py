@@ -13,6 +13,10 @@ one window of records (``cfg.window_rows``) is held on top of the queue.
 
 Each iteration runs the dataset through the engine again (one epoch); the engine is loaded once.
 An exception the engine raises (not a bad sample) ends the iteration with that exception.
+
+With ``ray = true`` in the config the engines are Ray workers (:class:`hsx.scale.stream.RaySource`, the
+workers and units of ``extract --ray``) and this process only receives their records; the run
+ahead is then counted in units (``workers + ceil(ahead / unit rows)`` units at most).
 """
 
 from __future__ import annotations
@@ -82,21 +86,30 @@ class Feed(torch.utils.data.IterableDataset):
 
     def __init__(self, config: ExtractConfig | dict | str | Path, *, ahead: int = DEFAULT_AHEAD, ordered: bool = True,
                  progress: bool = False):
-        from hsx.engine.loader import build_engine
-
         self.cfg = as_config(config).validate(output=False)
-        if self.cfg.ray:
-            raise HsxError("the online feed runs one engine in this process; --ray spreads `hsx extract` over "
-                           "workers (docs/STREAM.md says what a feed across processes takes)")
         if ahead < 1:
             raise HsxError(f"ahead must be >= 1, got {ahead}")
         self.ahead, self.ordered, self.progress = ahead, ordered, progress
-        self.rows, dataset_meta = open_rows(self.cfg)
-        self.engine = build_engine(self.cfg)
-        self.renderer, chat_template = make_renderer(self.cfg, self.engine, self.rows.column_names)
-        self.metadata = run_metadata(self.cfg, self.engine, chat_template, dataset_meta)
+        if self.cfg.ray:
+            from hsx.scale import ray_source
+
+            self.source = ray_source(self.cfg, ahead_units=-(-ahead // self.cfg.rows_per_unit))
+        else:
+            self.source = _Local(self.cfg)
+        self.engine = getattr(self.source, "engine", None)  # None when the engines are Ray workers
+        self.rows, self.metadata = self.source.rows, self.source.metadata
         self.summary = RunSummary("")
         self.failures: list[Failure] = []
+
+    def close(self) -> None:
+        """Let go of the engine's workers (with ``ray``: the actors, and Ray if the feed started it)."""
+        self.source.close()
+
+    def __enter__(self) -> "Feed":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def __len__(self) -> int:
         """Source rows in one pass: each gives one record or one failure."""
@@ -137,8 +150,7 @@ class Feed(torch.utils.data.IterableDataset):
     def _produce(self, items: queue.Queue, stop: threading.Event, summary: RunSummary) -> None:
         bar = Progress(len(self.rows), summary, self.progress)
         try:
-            stream = (item for item in results(self.engine, enumerate(self.rows), self.renderer, self.cfg)
-                      if not isinstance(item, Resumed))  # (nothing is resumed: the feed has no output)
+            stream = self.source.items()
             for item in in_source_order(stream) if self.ordered else stream:
                 summary.add(item)
                 bar.update(item)
@@ -149,6 +161,26 @@ class Feed(torch.utils.data.IterableDataset):
             _put(items, _Raised(e), stop)
         finally:
             bar.close()
+
+
+class _Local:
+    """The run's engine in this process, over the rows of ``cfg``."""
+
+    def __init__(self, cfg: ExtractConfig):
+        from hsx.engine.loader import build_engine
+
+        self.cfg = cfg
+        self.rows, dataset_meta = open_rows(cfg)
+        self.engine = build_engine(cfg)
+        self.renderer, chat_template = make_renderer(cfg, self.engine, self.rows.column_names)
+        self.metadata = run_metadata(cfg, self.engine, chat_template, dataset_meta)
+
+    def items(self) -> Iterator[Record | Failure]:
+        return (item for item in results(self.engine, enumerate(self.rows), self.renderer, self.cfg)
+                if not isinstance(item, Resumed))  # (nothing is resumed: the feed has no output)
+
+    def close(self) -> None:
+        pass
 
 
 def _put(items: queue.Queue, item, stop: threading.Event) -> bool:

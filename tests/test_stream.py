@@ -1,6 +1,6 @@
 """The online feed: the same records (bit for bit, same order) and the same EAGLE3 batches as the
 shards of ``extract`` with the same config; failures as items, bounded run-ahead, early exit,
-engine errors raised in the consumer."""
+engine errors raised in the consumer; engines as Ray workers, equal to one process."""
 
 from __future__ import annotations
 
@@ -172,8 +172,6 @@ def test_engine_error_raised_in_consumer(models, tmp_path, monkeypatch):
 
 
 def test_refusals(models, tmp_path):
-    with pytest.raises(HsxError, match="ray"):
-        Feed(config(models, tmp_path / "o", ray=True))
     with pytest.raises(HsxError, match="ahead"):
         Feed(config(models, tmp_path / "o"), ahead=0)
     with pytest.raises(HsxError, match="eagle3"):
@@ -184,3 +182,34 @@ def test_refusals(models, tmp_path):
 def test_in_source_order():
     items = [Failure(str(i), i, "") for i in (1, 0, 3, 2, 5, 4)]
     assert [i.source_index for i in in_source_order(items)] == [0, 1, 2, 3, 4, 5]
+
+
+@pytest.mark.slow
+def test_ray_workers_feed_the_same_records(models, tmp_path):
+    """Two engine workers on a local Ray (half a CPU each, so one compute thread like the
+    reference below) give the records and failures of one process, in the same order."""
+    pytest.importorskip("ray")
+    cfg = config(models, "", mode="generate", dtype="float32")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = list(Feed(cfg))
+    finally:
+        torch.set_num_threads(threads)
+    ray_cfg = config(models, "", mode="generate", dtype="float32", ray=True, num_workers=2, cpus_per_worker=0.5,
+                     unit_size=4)
+    with Feed(ray_cfg, ahead=1) as feed:
+        assert feed.engine is None and feed.metadata["layers"] == Feed(cfg).metadata["layers"]
+        for _ in range(2):  # a second pass reuses the workers
+            got = list(feed)
+            assert [type(i) for i in got] == [type(i) for i in want]
+            for g, w in zip(got, want):
+                if isinstance(w, Failure):
+                    assert g == w
+                    continue
+                assert (g.sample_id, g.source_index, g.prompt_len, g.finish_reason) == \
+                    (w.sample_id, w.source_index, w.prompt_len, w.finish_reason)
+                assert torch.equal(g.input_ids, w.input_ids) and torch.equal(g.loss_mask, w.loss_mask)
+                for name, h in w.hidden.items():
+                    assert g.hidden[name].dtype == h.dtype and torch.equal(g.hidden[name], h), (g.sample_id, name)
+        assert feed.summary.samples == NUM_GOOD and feed.summary.errors == 2

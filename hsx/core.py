@@ -2,7 +2,7 @@
 
 ``hsx extract`` (:mod:`hsx.pipeline`), a Ray worker (:mod:`hsx.scale`) and the online feed
 (:mod:`hsx.feed`) all drive :func:`results`; they differ only in where its items go (a shard sink
-through :func:`write_results`, or a training loop). Nothing here opens a file.
+through :func:`write_results`, or a training loop). Nothing here writes a file.
 
 :func:`results` yields, in the order the run produces them:
 

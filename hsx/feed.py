@@ -149,9 +149,10 @@ class Feed(torch.utils.data.IterableDataset):
 
     def _produce(self, items: queue.Queue, stop: threading.Event, summary: RunSummary) -> None:
         bar = Progress(len(self.rows), summary, self.progress)
+        made = self.source.items()
+        stream = in_source_order(made) if self.ordered else made
         try:
-            stream = self.source.items()
-            for item in in_source_order(stream) if self.ordered else stream:
+            for item in stream:
                 summary.add(item)
                 bar.update(item)
                 if not _put(items, item, stop):
@@ -160,6 +161,8 @@ class Feed(torch.utils.data.IterableDataset):
         except BaseException as e:  # handed to the consumer, raised there
             _put(items, _Raised(e), stop)
         finally:
+            stream.close()  # a consumer that stopped early: the source lets go of its work (Ray: cancels units)
+            made.close()
             bar.close()
 
 

@@ -213,3 +213,10 @@ def test_ray_workers_feed_the_same_records(models, tmp_path):
                 for name, h in w.hidden.items():
                     assert g.hidden[name].dtype == h.dtype and torch.equal(g.hidden[name], h), (g.sample_id, name)
         assert feed.summary.samples == NUM_GOOD and feed.summary.errors == 2
+
+
+def test_dataloader_workers_refused(models, tmp_path):
+    stream = Eagle3Stream(config(models, "", mode="prefill", layers="final,eagle3"))
+    loader = torch.utils.data.DataLoader(stream, batch_size=2, collate_fn=collate, num_workers=1)
+    with pytest.raises(HsxError, match="num_workers=0"):
+        next(iter(loader))

@@ -79,8 +79,8 @@ class Feed(torch.utils.data.IterableDataset):
     """Records and failures of the run ``config`` describes, produced ``ahead`` at most in advance.
 
     ``metadata`` is what the shards of ``hsx extract`` with the same config would carry;
-    ``summary`` counts the current (or last) pass as ``extract`` does; ``failures`` collects
-    every failure handed out. Use it with ``DataLoader(feed, batch_size=None)`` or iterate it;
+    ``summary`` counts the current (or last) pass as ``extract`` does and ``failures`` holds its
+    failures. Use it with ``DataLoader(feed, batch_size=None)`` or iterate it;
     the engine lives in this process, so a DataLoader must keep ``num_workers=0``.
     """
 
@@ -120,7 +120,7 @@ class Feed(torch.utils.data.IterableDataset):
             raise HsxError("the feed's engine runs in the process that made it: use DataLoader(num_workers=0)")
         items: queue.Queue = queue.Queue(maxsize=self.ahead)
         stop = threading.Event()
-        self.summary = RunSummary("")
+        self.summary, self.failures = RunSummary(""), []
         thread = threading.Thread(target=self._produce, args=(items, stop, self.summary), name="hsx-feed", daemon=True)
         thread.start()
         try:

@@ -220,3 +220,56 @@ def test_dataloader_workers_refused(models, tmp_path):
     loader = torch.utils.data.DataLoader(stream, batch_size=2, collate_fn=collate, num_workers=1)
     with pytest.raises(HsxError, match="num_workers=0"):
         next(iter(loader))
+
+
+def test_engine_giving_up_on_a_sample_is_a_failure(models, tmp_path, monkeypatch):
+    from hsx.errors import SampleError
+
+    feed = Feed(config(models, "", mode="prefill"))
+    stream = feed.engine.stream
+
+    def gives_up_on_c(prompts):
+        for prompt, sample in stream(prompts):
+            yield prompt, SampleError(prompt.sample_id, "retracted twice") if prompt.sample_id == "c" else sample
+
+    monkeypatch.setattr(feed.engine, "stream", gives_up_on_c)
+    items = list(feed)
+    assert [i.source_index for i in items] == list(range(len(ROWS)))
+    assert [(f.sample_id, f.reason) for f in feed.failures if f.sample_id == "c"] == [("c", "retracted twice")]
+    assert feed.summary.samples == NUM_GOOD - 1 and feed.summary.errors == 3
+
+
+def load_script(name: str):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_training_online_equals_training_from_shards(models, tmp_path):
+    cfg = config(models, tmp_path / "out", mode="generate", layers="final,eagle3")
+    extract(cfg, progress=False)
+    run_file = tmp_path / "run.json"
+    run_file.write_text(json.dumps(cfg.to_dict()))
+    demo = load_script("train_eagle3_demo")
+    kw = dict(steps=8, batch=2, held_out=0.3, log_every=0, threads=1)
+    offline = demo.run_in_order(str(tmp_path / "out"), False, **kw)
+    online = demo.run_in_order(str(run_file), True, ahead=2, **kw)
+    assert offline["samples"] == online["samples"] and offline["samples"]["held_out"] > 0
+    assert len(online["losses"]) == 8 and online["losses"] == offline["losses"]
+    assert online["held_out_top1"] == offline["held_out_top1"]
+    assert online["stream"]["failures"] == 2
+
+
+def test_bench_stream_runs(models, tmp_path):
+    cfg = config(models, "", mode="prefill")
+    run_file = tmp_path / "run.json"
+    run_file.write_text(json.dumps(cfg.to_dict()))
+    out = tmp_path / "bench.json"
+    result = load_script("bench_stream").main(["--config", str(run_file), "--repeats", "1", "--warmup", "0",
+                                               "--out", str(out)])
+    assert json.loads(out.read_text()) == result and len(result["runs"]) == 1
+    assert result["ratio_median"] > 0 and result["cpu_ratio_median"] > 0 and result["runs"][0]["tokens"] > 0

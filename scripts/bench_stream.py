@@ -1,6 +1,6 @@
 """Throughput of the online feed (``hsx.stream``) against ``hsx extract`` on the same prompts.
 
-    python scripts/bench_stream.py [--config scripts/demo_run.toml] [--repeats 3] [--mode generate|prefill]
+    python scripts/bench_stream.py [--config scripts/demo_run.toml] [--repeats 6] [--mode generate|prefill] [--copies K]
 
 In one process, alternating (the side that goes first swaps every repeat): ``extract`` of the config
 into a fresh temporary output, and one pass of a fresh :class:`hsx.feed.Feed` over the same config
@@ -46,6 +46,20 @@ def time_stream(cfg: ExtractConfig, ahead: int) -> dict:
     return {"seconds": seconds, "cpu_s": cpu, "samples": s.samples, "tokens": s.tokens, "rows": s.rows, "errors": s.errors}
 
 
+def copied(cfg: ExtractConfig, copies: int, path: Path) -> ExtractConfig:
+    """The config over a JSONL file holding every row of its dataset ``copies`` times (ids made unique)."""
+    from hsx.data.load import load_rows
+
+    rows = load_rows(cfg.dataset, cfg.split, cfg.limit)
+    with path.open("w") as f:
+        for k in range(copies):
+            for row in rows:
+                if cfg.id_field:
+                    row = {**row, cfg.id_field: f"{row[cfg.id_field]}#{k}"}
+                f.write(json.dumps(row) + "\n")
+    return dataclasses.replace(cfg, dataset=str(path), split="train", limit=None)
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="scripts/demo_run.toml", help="an extract config file")
@@ -53,6 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=6)
     p.add_argument("--warmup", type=int, default=1, help="uncounted repeats first (imports, first-call costs)")
     p.add_argument("--ahead", type=int, default=64)
+    p.add_argument("--copies", type=int, default=1, help="run every row of the dataset this many times (new ids)")
     p.add_argument("--out", default="bench_out/bench_stream.json")
     a = p.parse_args(argv)
     cfg = ExtractConfig.from_file(a.config)
@@ -60,6 +75,8 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = dataclasses.replace(cfg, mode=a.mode)
     runs = []
     with tempfile.TemporaryDirectory(prefix="hsx-bench-stream-") as tmp:
+        if a.copies > 1:
+            cfg = copied(cfg, a.copies, Path(tmp) / "rows.jsonl")
         for r in range(-a.warmup, a.repeats):
             order = ("extract", "stream") if r % 2 == 0 else ("stream", "extract")
             done = {}
@@ -79,7 +96,7 @@ def main(argv: list[str] | None = None) -> dict:
                 runs.append({"repeat": r, "first": order[0], **{f"{k}_s": v["seconds"] for k, v in done.items()},
                              **{f"{k}_cpu_s": v["cpu_s"] for k, v in done.items()}, "tokens": done["stream"]["tokens"],
                              "ratio": ratio, "cpu_ratio": cpu_ratio})
-    result = {"config": a.config, "mode": cfg.mode, "repeats": a.repeats, "ahead": a.ahead, "runs": runs,
+    result = {"config": a.config, "mode": cfg.mode, "copies": a.copies, "repeats": a.repeats, "ahead": a.ahead, "runs": runs,
               "ratio_median": statistics.median(r["ratio"] for r in runs),
               "cpu_ratio_median": statistics.median(r["cpu_ratio"] for r in runs)}
     print(f"stream / extract throughput, median of {a.repeats}: {result['ratio_median']:.3f} by wall time, "

@@ -273,3 +273,70 @@ def test_bench_stream_runs(models, tmp_path):
                                                "--out", str(out)])
     assert json.loads(out.read_text()) == result and len(result["runs"]) == 1
     assert result["ratio_median"] > 0 and result["cpu_ratio_median"] > 0 and result["runs"][0]["tokens"] > 0
+
+
+def _busy_stream_workers() -> list[int]:
+    """Processes under this one running a feed unit (Ray names an actor's process by its method)."""
+    import os
+
+    kids: dict[int, list[int]] = {}
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                kids.setdefault(int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]), []).append(int(p.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    found, todo = [], [os.getpid()]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            found.append(c)
+            todo.append(c)
+    busy = []
+    for pid in found:
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace").strip()
+        except OSError:
+            continue
+        if title == "ray::ExtractWorker.stream_unit":
+            busy.append(pid)
+    return busy
+
+
+@pytest.mark.slow
+def test_ray_worker_killed_mid_unit(models, tmp_path):
+    """A worker SIGKILLed while it runs a unit: the unit runs again on a worker, and the feed still
+    gives every record once, as one process does."""
+    import os
+    import signal
+
+    pytest.importorskip("ray")
+    rows = [{"id": f"r{i}", "text": f"Row {i}: " + "the mill and the river " * (i % 4) + "end."} for i in range(40)]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = config(models, "", dataset=str(data), mode="generate", dtype="float32", layers="final")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = [(r.sample_id, r.hidden["final"]) for r in Feed(cfg).records()]
+    finally:
+        torch.set_num_threads(threads)
+    ray_cfg = config(models, "", dataset=str(data), mode="generate", dtype="float32", layers="final", ray=True,
+                     num_workers=2, cpus_per_worker=0.5, unit_size=4)
+    victim = None
+    got = []
+    with Feed(ray_cfg, ahead=1) as feed:
+        for record in feed.records():
+            got.append((record.sample_id, record.hidden["final"]))
+            deadline = time.monotonic() + 60
+            while victim is None and len(got) >= 4 and time.monotonic() < deadline:
+                busy = _busy_stream_workers()
+                if busy:
+                    victim = busy[0]
+                    os.kill(victim, signal.SIGKILL)
+                time.sleep(0.01)
+        retried = feed.source.retried
+    assert victim is not None, "no worker was caught running a unit"
+    assert retried >= 1, "the killed worker's unit was not run again"
+    assert [sid for sid, _ in got] == [sid for sid, _ in want]
+    for (sid, g), (_, w) in zip(got, want):
+        assert torch.equal(g, w), sid

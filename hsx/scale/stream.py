@@ -32,6 +32,7 @@ class RaySource:
             raise HsxError("a feed with ray = true needs Ray on every machine of the run: pip install 'hsx[ray]'") from None
         self.cfg, self.ahead_units = cfg, ahead_units
         self.actors: list = []
+        self.retried = 0  # units sent to a worker again after theirs was lost
         self.started = connect(cfg)
         try:
             self.rows, dataset_meta = open_rows(cfg)
@@ -74,6 +75,7 @@ class RaySource:
                             raise HsxError(f"unit {u.index} (rows {u.rows[0]}..{u.rows[-1]}) lost its worker "
                                            f"{attempts[u.index]} times; last: {str(e).splitlines()[0]}") from None
                         waiting.appendleft(u)
+                        self.retried += 1
                 for d in done.pop(index):
                     yield decode_item(d)
         finally:

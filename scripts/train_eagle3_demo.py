@@ -234,21 +234,21 @@ def in_order_batches(make_pass, batch: int, held_out: float, test: list):
     samples of the first pass are appended to ``test``."""
     first = True
     while True:
-        picked, seen = [], 0
+        picked, trained = [], 0
         for s in make_pass():
-            seen += 1
             if is_held_out(s["sample_id"], held_out):
                 if first:
                     test.append(s)
                 continue
             picked.append(s)
+            trained += 1
             if len(picked) == batch:
                 yield picked
                 picked = []
         if picked:
             yield picked
-        if not seen:
-            raise SystemExit("the data gave no samples")
+        if not trained:
+            raise SystemExit("no training samples: the data gave none, or every one is held out")
         first = False
 
 
@@ -276,6 +276,7 @@ def run_in_order(source: str, online: bool, steps: int = 300, batch: int = 8, lr
     test: list = []
     batches = in_order_batches(make_pass, batch, held_out, test)
     losses = train_steps(model, batches, lm_head_w, steps, lr, log_every, on_batch=count_top1)
+    batches.close()  # online: stops the engine's thread mid-pass
     untrained = new_head(data.layout.hidden_size, lm_head_w.shape[0], norm_before_fc, embed_w, seed)
     k = max(1, min(20, steps // 5))
     return {

@@ -44,6 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hsx
+from hsx.config import ExtractConfig
 from hsx.eagle3 import Eagle3Dataset, Eagle3Stream, collate, load_draft_config, shift_for_draft
 
 
@@ -362,7 +363,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--held-out", type=float, default=0.2, help="share of samples held out (split by sample id)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=None, help="write the results here (default: SHARDS/../eagle3_train.json)")
+    p.add_argument("--out", default=None, help="write the results here (default: SHARDS/../eagle3_train.json; "
+                   "--online: the config's output/../eagle3_train_online.json)")
     p.add_argument("--save-head", default=None, help="also write the trained head here in SGLang's EAGLE3 format")
     p.add_argument("--online", default=None, metavar="RUN.toml",
                    help="train from a live run of this extract config (no shards), batches in source order")
@@ -374,8 +376,11 @@ def main(argv: list[str] | None = None) -> dict:
             p.error("--save-head goes with the shuffled training from --shards")
         result = run_in_order(a.online or a.shards, bool(a.online), a.steps, a.batch, a.lr, a.held_out, a.seed, a.target,
                               a.draft_config, a.norm_before_fc, a.threads, ahead=a.ahead)
-        default_out = Path(a.online).with_suffix(".train.json") if a.online else \
-            Path(a.shards).resolve().parent / "eagle3_train_in_order.json"
+        if a.online:  # next to where the run's shards would go, else here
+            output = ExtractConfig.from_file(a.online).output
+            default_out = (Path(output).resolve().parent if output else Path.cwd()) / "eagle3_train_online.json"
+        else:
+            default_out = Path(a.shards).resolve().parent / "eagle3_train_in_order.json"
     else:
         result = run(a.shards, a.steps, a.batch, a.lr, a.held_out, a.seed, a.target, a.draft_config, a.norm_before_fc,
                      a.threads, save_head=a.save_head)

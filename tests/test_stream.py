@@ -213,6 +213,10 @@ def test_ray_workers_feed_the_same_records(models, tmp_path):
                 for name, h in w.hidden.items():
                     assert g.hidden[name].dtype == h.dtype and torch.equal(g.hidden[name], h), (g.sample_id, name)
         assert feed.summary.samples == NUM_GOOD and feed.summary.errors == 2
+        it = iter(feed)
+        assert [next(it).source_index for _ in range(2)] == [0, 1]
+        it.close()  # a pass stopped early: its running units are let go, the next pass starts afresh
+        assert [i.source_index for i in feed] == list(range(len(ROWS)))
 
 
 def test_dataloader_workers_refused(models, tmp_path):

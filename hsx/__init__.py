@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 
 from hsx.errors import AlignmentError, HsxError, SampleError, ShardError  # noqa: E402
 
-__all__ = ["__version__", "HsxError", "AlignmentError", "SampleError", "ShardError", "open", "tokens_loader"]
+__all__ = ["__version__", "HsxError", "AlignmentError", "SampleError", "ShardError", "open", "stream", "tokens_loader"]
 
 # name -> the module that defines it, imported when the name is first used
 _LAZY = {"extract": "hsx.pipeline", "RunSummary": "hsx.pipeline", "ExtractConfig": "hsx.config"}
@@ -46,3 +46,11 @@ def tokens_loader(path, columns=None, where="all", batch_size=1024, shuffle_buff
     from hsx.shards.loader import tokens_loader as make
 
     return make(path, columns, where, batch_size, shuffle_buffer, seed, **kwargs)
+
+
+def stream(config, **kwargs):
+    """Run ``config`` (an ExtractConfig, a dict or a config file) and yield its aligned samples as they
+    come, with no shards; see :class:`hsx.feed.Feed` (``ahead``, ``ordered``, ``progress``)."""
+    from hsx.feed import Feed
+
+    return Feed(config, **kwargs)

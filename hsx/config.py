@@ -79,16 +79,17 @@ class ExtractConfig:
 
     # Fields that change neither which samples exist nor their values: a resumed run may differ in them.
     # (The batching fields are among them: they change a row's bits, within the engines' tolerance,
-    # never which samples exist; a window is re-run whole on resume, see pipeline.run_prompts.)
+    # never which samples exist; a window is re-run whole on resume, see hsx.core.results.)
     _LAYOUT_ONLY = ("output", "limit", "batch_size", "max_batch_tokens", "window", "max_shard_mb", "max_shard_samples", "compression",
                     "ray", "ray_address", "num_workers", "cpus_per_worker", "gpus_per_worker", "unit_size")
 
-    def validate(self) -> "ExtractConfig":
+    def validate(self, *, output: bool = True) -> "ExtractConfig":
+        """Refuse a config no run can start from; ``output=False``: one that writes nothing (the online feed)."""
         if not self.model:
             raise HsxError("no model given (--model PATH or model = ... in the config file)")
         if not self.dataset:
             raise HsxError("no dataset given (--dataset NAME_OR_PATH)")
-        if not self.output:
+        if output and not self.output:
             raise HsxError("no output directory given (--output DIR)")
         if self.mode not in ("generate", "prefill"):
             raise HsxError(f"--mode must be generate or prefill, got {self.mode!r}")

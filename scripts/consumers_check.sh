@@ -6,6 +6,7 @@
 # each consumer venv then reads the export with the consumer's code and the shards with hsx.open
 # (this checkout on PYTHONPATH) and compares them value for value.
 #   bash scripts/consumers_check.sh [speculators] [saelens]      (default: both)
+# $HSX_CONSUMERS_WORK keeps the shards and exports (default: a temp directory, removed at exit).
 # Virtualenvs: $HSX_VENV (hsx, via scripts/setup.sh), $HSX_SPECULATORS_VENV (default
 # .venv-speculators), $HSX_SAELENS_VENV (default .venv-saelens); each is rebuilt only when this
 # script or pyproject.toml changes (a stamp file). torch==2.13.0 (the CPU wheel) goes in first so
@@ -14,7 +15,13 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$ROOT"
 HSX_PY="${HSX_VENV:-$ROOT/.venv}/bin/python"
-WORK="${HSX_CONSUMERS_WORK:-$(mktemp -d)}"
+if [ -n "${HSX_CONSUMERS_WORK:-}" ]; then
+  WORK="$HSX_CONSUMERS_WORK"
+  mkdir -p "$WORK"
+else
+  WORK="$(mktemp -d)"
+  trap 'rm -rf "$WORK"' EXIT
+fi
 which=("$@")
 [ "${#which[@]}" -gt 0 ] || which=(speculators saelens)
 
@@ -55,11 +62,37 @@ make_shards() {  # demo target (+ draft) -> prefill and speculative generate sha
                 --layers final,eagle3,8 --batch-size 8 --quiet)
   "$HSX_PY" -m hsx.cli extract "${common[@]}" --mode prefill --output "$WORK/prefill" >&2
   "$HSX_PY" -m hsx.cli extract "${common[@]}" --mode generate --max-new-tokens 24 --draft-model "$WORK/models/draft" \
-    --spec-num-steps 3 --spec-topk 1 --spec-num-draft-tokens 4 --output "$WORK/generate" >&2
+    --spec-num-steps 3 --spec-topk 1 --spec-num-draft-tokens 4 --limit 20 --output "$WORK/generate" >&2
   for run in prefill generate; do
     "$HSX_PY" -m hsx.cli export speculators "$WORK/$run" "$WORK/spec_$run" --quiet
   done
   "$HSX_PY" -m hsx.cli export saelens "$WORK/prefill" "$WORK/sae_b4" --column b4 --context-size 32 --quiet
+  # negative controls: a tampered speculators export, boundary 5 under boundary 4's hook name
+  tamper "$WORK/spec_prefill" "$WORK/spec_tampered"
+  "$HSX_PY" -m hsx.cli export saelens "$WORK/prefill" "$WORK/sae_b5_as_b4" --column b5 --context-size 32 \
+    --hook-name blocks.4.hook_resid_pre --quiet
+}
+
+tamper() {  # a copy of a speculators export with one value of one verifier state changed
+  rm -rf "$2" && cp -r "$1" "$2"
+  "$HSX_PY" - "$2/hidden_states/hs_3.safetensors" <<'PY'
+import sys
+from safetensors.torch import load_file, save_file
+f = load_file(sys.argv[1])
+f["hidden_states"][5, -1, 7] += 1
+save_file(f, sys.argv[1])
+PY
+}
+
+must_fail() {  # PATTERN CMD...: a check given a wrong export must fail, with PATTERN in its output
+  local pattern="$1"
+  shift
+  if "$@" > "$WORK/control.log" 2>&1 || ! grep -q "$pattern" "$WORK/control.log"; then
+    echo "[consumers] negative control did not fail with '$pattern': $*" >&2
+    tail -5 "$WORK/control.log" >&2
+    exit 1
+  fi
+  echo "[consumers] negative control failed as it must: $(grep "$pattern" "$WORK/control.log" | tail -1)"
 }
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_VERBOSITY=error PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -80,10 +113,14 @@ for name in "${which[@]}"; do
   case "$name" in
     speculators)
       "$venv/bin/python" scripts/consumers/speculators_check.py --aux 2,4,5 --layers 8 \
-        "$WORK/prefill=$WORK/spec_prefill" "$WORK/generate=$WORK/spec_generate" ;;
+        "$WORK/prefill=$WORK/spec_prefill" "$WORK/generate=$WORK/spec_generate"
+      must_fail "verifier state differs" "$venv/bin/python" scripts/consumers/speculators_check.py --aux 2,4,5 --layers 8 \
+        "$WORK/prefill=$WORK/spec_tampered" ;;
     saelens)
       "$venv/bin/python" scripts/consumers/saelens_check.py --shards "$WORK/prefill" --export "$WORK/sae_b4" \
-        --boundary 4 --context-size 32 ;;
+        --boundary 4 --context-size 32
+      must_fail "activations differ" "$venv/bin/python" scripts/consumers/saelens_check.py --shards "$WORK/prefill" \
+        --export "$WORK/sae_b5_as_b4" --boundary 4 --context-size 32 --steps 0 ;;
   esac
   echo "[consumers] $name check passed ($((SECONDS - t)) s)"
 done

@@ -57,11 +57,11 @@ def check_pair(shards_dir: Path, export: Path, aux: list[int], num_layers: int) 
         raw = load_file(export / "hidden_states" / f"hs_{i}.safetensors")
         check_hidden_states(raw, s.input_ids[:t].tolist())
         item = ds[i]
-        assert torch.equal(item["input_ids"], s.input_ids[:t].long()), f"{s.sample_id}: input_ids"
-        assert torch.equal(item["loss_mask"], s.loss_mask[:t].long()), f"{s.sample_id}: loss_mask"
+        assert torch.equal(item["input_ids"], s.input_ids[:t].long()), f"{s.sample_id}: input_ids differ"
+        assert torch.equal(item["loss_mask"], s.loss_mask[:t].long()), f"{s.sample_id}: loss_mask differs"
         want_aux = torch.cat([boundary(s, b)[:t] for b in aux], dim=-1)  # [T, K*H], ascending boundaries
-        assert bit_equal(item["hidden_states"], want_aux), f"{s.sample_id}: aux hidden states"
-        assert bit_equal(item["verifier_last_hidden_states"], boundary(s, num_layers)[:t]), f"{s.sample_id}: last"
+        assert bit_equal(item["hidden_states"], want_aux), f"{s.sample_id}: aux states differ from the shards"
+        assert bit_equal(item["verifier_last_hidden_states"], boundary(s, num_layers)[:t]), f"{s.sample_id}: verifier state differs from boundary L"
         shifted = shift_batch(item)  # position k: aux after token k, token k+1, verifier state after k+1
         assert torch.equal(shifted["input_ids"], item["input_ids"][1:])
         assert bit_equal(shifted["hidden_states"], want_aux[:-1])

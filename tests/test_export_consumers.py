@@ -293,3 +293,55 @@ def test_cli_exports(env, tmp_path):
     r = runner.invoke(app, ["export", "speculators", str(env["prefill"]), str(tmp_path / "bad2"), "-q",
                             "--target-layer-ids", "two"])
     assert r.exit_code == 2 and "comma-separated integers" in r.output
+
+
+# ---------------------------------------------------------------- synthetic shards: bad values, short samples
+
+def synthetic(tmp_path, rows: dict[str, torch.Tensor]) -> Path:
+    """Prefill shards of a 2-block model with columns b1, b2; sample i has rows[f"s{i}"] in both."""
+    from hsx.shards import Manifest, Record, ShardSink, build_metadata
+
+    width = next(iter(rows.values())).shape[1]
+    layers = [{"name": f"b{b}", "sources": [b], "width": width, "raw_ids": [b], "rule": "boundary"} for b in (1, 2)]
+    meta = build_metadata(layers=layers, dtype="bfloat16", mode="prefill",
+                          model={"path": "synthetic", "num_layers": 2, "hidden_size": width},
+                          engine={"name": "test"}, dataset={"source": "test"})
+    sink = ShardSink(tmp_path / "shards", Manifest(meta))
+    for i, (sid, h) in enumerate(rows.items()):
+        n = len(h)
+        sink.add(Record(sid, i, torch.arange(n) + 3, n, torch.ones(n, dtype=torch.uint8), "prefill",
+                        {"b1": h, "b2": h + 1}))
+    sink.close()
+    return tmp_path / "shards"
+
+
+def test_non_finite_states_stop_the_exports_with_the_sample_named(tmp_path):
+    bad = torch.zeros(4, 8, dtype=torch.bfloat16)
+    bad[2, 3] = float("nan")
+    src = synthetic(tmp_path, {"good": torch.zeros(5, 8, dtype=torch.bfloat16), "bad": bad})
+    with pytest.raises(HsxError, match=r"sample 'bad': non-finite hidden states"):
+        export_speculators(src, tmp_path / "spec", target_layer_ids=[1], progress=False)
+    with pytest.raises(HsxError, match=r"sample 'bad': non-finite values in column 'b1'"):
+        export_saelens(src, tmp_path / "sae", column="b1", context_size=2, progress=False)
+    assert not (tmp_path / "sae" / "state.json").exists() and not list((tmp_path / "sae").glob("*.arrow"))
+    assert not list((tmp_path / "sae").glob(".*tmp-*"))  # the writer's temp files went with it
+
+
+def test_float16_output_refuses_values_it_cannot_hold(tmp_path):
+    src = synthetic(tmp_path, {"big": torch.full((4, 8), 1e5, dtype=torch.bfloat16)})
+    with pytest.raises(HsxError, match=r"sample 'big'.*outside float16's range"):
+        export_saelens(src, tmp_path / "sae", column="b1", context_size=2, dtype="float16", progress=False)
+    assert export_saelens(src, tmp_path / "sae32", column="b1", context_size=2, progress=False).contexts == 2
+
+
+def test_speculators_skips_samples_too_short_to_learn_from(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    rows = {f"s{i}": torch.randn(n, 8, generator=gen).bfloat16() for i, n in enumerate([3, 1, 2])}
+    src = synthetic(tmp_path, rows)
+    s = export_speculators(src, tmp_path / "spec", target_layer_ids=[1], progress=False)
+    assert (s.samples, s.skipped_short, s.tokens) == (2, 1, 5)
+    index = [json.loads(x) for x in (tmp_path / "spec" / "hsx_index.jsonl").read_text().splitlines()]
+    assert [e["sample_id"] for e in index] == ["s0", "s2"]
+    f = load_file(tmp_path / "spec" / "hidden_states" / "hs_1.safetensors")
+    assert torch.equal(bits(f["hidden_states"][:, 0]), bits(rows["s2"]))
+    assert torch.equal(bits(f["hidden_states"][:, 1]), bits(rows["s2"] + 1))  # boundary L = 2 last

@@ -9,7 +9,7 @@ from hsx.errors import HsxError
 
 @dataclass(frozen=True)
 class BoundarySlice:
-    boundary: int
+    boundary: int | str  # a boundary, or "final"
     column: str
     start: int  # first value of the boundary within the column's row
     stop: int

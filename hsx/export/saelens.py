@@ -39,7 +39,7 @@ from hsx.errors import HsxError
 from hsx.export.files import INFO, claim, clean_temps, fingerprint, write_json
 from hsx.export.hfdisk import STATE, DiskDatasetWriter
 from hsx.export.layers import BoundarySlice, find_boundary, num_layers_of
-from hsx.shards.reader import ShardDataset, open_shards
+from hsx.shards import ShardDataset, open_shards
 
 FORMAT = "saelens-cached-activations"
 CHECKED_WITH = "sae-lens 6.54.12"
@@ -67,12 +67,13 @@ def hook_name_for(source: int | str, num_layers: int) -> str:
     return f"blocks.{source}.hook_resid_pre" if source < num_layers else f"blocks.{num_layers - 1}.hook_resid_post"
 
 
-def resolve_column(meta: dict, column: str, where: str) -> BoundarySlice | None:
-    """``bN``/``N`` -> boundary N wherever it is stored; ``final`` -> None (the whole ``final`` column)."""
+def resolve_column(meta: dict, column: str, where: str) -> BoundarySlice:
+    """``bN``/``N`` -> boundary N wherever it is stored; ``final`` -> the ``final`` column."""
     if column == "final":
-        if "final" not in [g["name"] for g in meta.get("layers", [])]:
+        final = [g for g in meta.get("layers", []) if g["name"] == "final"]
+        if not final:
             raise HsxError(f"{where}: no 'final' column; columns: {[g['name'] for g in meta.get('layers', [])]}")
-        return None
+        return BoundarySlice("final", "final", 0, int(final[0]["width"]))
     text = column[1:] if column.startswith("b") else column
     if not text.isdigit():
         raise HsxError(f"--column {column!r}: expected a boundary (b5 or 5) or final")
@@ -121,12 +122,59 @@ def _table(schema: pa.Schema, hook: str, acts: torch.Tensor, tokens: torch.Tenso
     return pa.Table.from_arrays([act_col, tok_col], schema=schema)
 
 
+def _info(meta: dict, source: str, samples: int, params: dict, width: int) -> dict:
+    return {"format": FORMAT, "writer": "hsx", "checked_with": CHECKED_WITH, "source": source,
+            "source_fingerprint": fingerprint({"metadata": meta, "samples": samples, **params}), **params,
+            "d_in": width, "keep": meta.get("keep", "all"), "mode": meta.get("mode"), "model": meta.get("model"),
+            "packing": ("samples back to back in dataset order, no separator; last partial context dropped"
+                        if params["concat"] else
+                        "one context per sample (its first context_size rows); shorter samples dropped")}
+
+
+def _finished(dst: Path, info: dict) -> dict | None:
+    """The record of a finished export of the same source and parameters at ``dst``, if there is one."""
+    if (dst / INFO).is_file() and (dst / STATE).is_file():
+        done = json.loads((dst / INFO).read_text())
+        if done.get("complete") and done.get("source_fingerprint") == info["source_fingerprint"]:
+            return done
+    return None
+
+
+def _pack(ds: ShardDataset, sl: BoundarySlice, writer: DiskDatasetWriter, hook: str, context_size: int,
+          out_dtype: torch.dtype, concat: bool, progress: bool) -> int:
+    """Every sample's rows into ``writer`` as whole contexts; returns the rows dropped."""
+    from tqdm import tqdm
+
+    packer = _Packer(context_size, max(1, BLOCK_BYTES // (context_size * (sl.stop - sl.start) * out_dtype.itemsize)))
+    dropped = 0
+    for i in tqdm(range(len(ds)), desc="export saelens", unit="sample", disable=not progress):
+        s = ds[i]
+        rows = s.hidden(sl.column)[:, sl.start:sl.stop]  # [R, W] view
+        tokens = s.input_ids.to(torch.int64)[s.positions]  # [R]: each row's input token
+        if not concat:
+            keep = context_size if len(rows) >= context_size else 0
+            dropped += len(rows) - keep
+            if not keep:
+                continue
+            rows, tokens = rows[:keep], tokens[:keep]
+        acts = rows.to(out_dtype)
+        if not torch.isfinite(acts).all():
+            bad = "non-finite values" + (" (or values outside float16's range)" if out_dtype == torch.float16 else "")
+            raise HsxError(f"sample {s.sample_id!r}: {bad} in column {sl.column!r}; not exported")
+        block = packer.push(acts, tokens)
+        if block is not None:
+            writer.write(_table(writer.schema, hook, *block))
+    block = packer.flush()
+    if block is not None:
+        writer.write(_table(writer.schema, hook, *block))
+    return dropped + packer.pending
+
+
 def export_saelens(src: str | Path | ShardDataset, dst: str | Path, *, column: str, context_size: int,
                    hook_name: str | None = None, dtype: str = "float32", concat: bool = True,
                    progress: bool = True) -> SaelensSummary:
     """Export column ``column`` of the shards at ``src`` as SAELens cached activations (module docstring)."""
     import datasets
-    from tqdm import tqdm
 
     ds = src if isinstance(src, ShardDataset) else open_shards(src, cache_shards=2)
     where = str(src) if not isinstance(src, ShardDataset) else "shards"
@@ -135,69 +183,30 @@ def export_saelens(src: str | Path | ShardDataset, dst: str | Path, *, column: s
         raise HsxError(f"--context-size must be >= 1, got {context_size}")
     if dtype not in DTYPES:
         raise HsxError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    num_layers = num_layers_of(meta, where)
     sl = resolve_column(meta, column, where)
-    if sl is None:
-        name, start, stop, source = "final", 0, None, "final"
-        width = next(int(g["width"]) for g in meta["layers"] if g["name"] == "final")
-    else:
-        name, start, stop, source = sl.column, sl.start, sl.stop, sl.boundary
-        width = sl.stop - sl.start
-    hook = hook_name or hook_name_for(source, num_layers)
-    out_dtype = DTYPES[dtype]
-    features = datasets.Features({hook: datasets.Array2D((context_size, width), dtype),
-                                  "token_ids": datasets.List(datasets.Value("int32"), length=context_size)})
-
+    width = sl.stop - sl.start
+    hook = hook_name or hook_name_for(sl.boundary, num_layers_of(meta, where))
+    params = {"column": sl.column, "boundary": sl.boundary, "hook_name": hook, "context_size": context_size,
+              "dtype": dtype, "concat": concat}
     dst = Path(dst)
-    source_path = where if isinstance(src, ShardDataset) else str(Path(src).resolve())
-    params = {"column": name, "boundary": source, "hook_name": hook, "context_size": context_size, "dtype": dtype,
-              "concat": concat}
-    info = {"format": FORMAT, "writer": "hsx", "checked_with": CHECKED_WITH, "source": source_path,
-            "source_fingerprint": fingerprint({"metadata": meta, "samples": len(ds), **params}), **params,
-            "d_in": width, "keep": meta.get("keep", "all"), "mode": meta.get("mode"), "model": meta.get("model"),
-            "packing": ("samples back to back in dataset order, no separator; last partial context dropped" if concat
-                        else "one context per sample (its first context_size rows); shorter samples dropped")}
-    old = dst / INFO
-    if old.is_file() and (dst / STATE).is_file():
-        done = json.loads(old.read_text())
-        if done.get("complete") and done.get("source_fingerprint") == info["source_fingerprint"]:
-            return SaelensSummary(str(dst), hook, done["contexts"], context_size, width, done["tokens"],
-                                  done["dropped_tokens"], 0, True)
+    info = _info(meta, where if isinstance(src, ShardDataset) else str(Path(src).resolve()), len(ds), params, width)
+    done = _finished(dst, info)
+    if done is not None:
+        return SaelensSummary(str(dst), hook, done["contexts"], context_size, width, done["tokens"],
+                              done["dropped_tokens"], 0, True)
     claim(dst, info, lambda d: any(d.iterdir()))
     clean_temps(dst)
 
-    block_contexts = max(1, BLOCK_BYTES // (context_size * width * out_dtype.itemsize))
-    packer = _Packer(context_size, block_contexts)
+    features = datasets.Features({hook: datasets.Array2D((context_size, width), dtype),
+                                  "token_ids": datasets.List(datasets.Value("int32"), length=context_size)})
     writer = DiskDatasetWriter(dst, features, fingerprint=info["source_fingerprint"][:16])
-    dropped = 0
     try:
-        for i in tqdm(range(len(ds)), desc="export saelens", unit="sample", disable=not progress):
-            s = ds[i]
-            rows = s.hidden(name)[:, start:stop]  # [R, W] view
-            tokens = s.input_ids.to(torch.int64)[s.positions]  # [R]: each row's input token
-            if not concat:
-                if len(rows) < context_size:
-                    dropped += len(rows)
-                    continue
-                dropped += len(rows) - context_size
-                rows, tokens = rows[:context_size], tokens[:context_size]
-            acts = rows.to(out_dtype)
-            if not torch.isfinite(acts).all():
-                bad = "non-finite values" + (" (or values outside float16's range)" if dtype == "float16" else "")
-                raise HsxError(f"sample {s.sample_id!r}: {bad} in column {name!r}; not exported")
-            block = packer.push(acts, tokens)
-            if block is not None:
-                writer.write(_table(writer.schema, hook, *block))
-        block = packer.flush()
-        if block is not None:
-            writer.write(_table(writer.schema, hook, *block))
-        dropped += packer.pending
+        dropped = _pack(ds, sl, writer, hook, context_size, DTYPES[dtype], concat, progress)
         contexts = writer.finalize()
     except BaseException:
         writer.abort()
         raise
-    summary = SaelensSummary(str(dst), hook, contexts, context_size, width, contexts * context_size, dropped,
-                             writer.bytes, False)
-    write_json(dst / INFO, {**info, "complete": True, "contexts": contexts, "tokens": summary.tokens,
+    write_json(dst / INFO, {**info, "complete": True, "contexts": contexts, "tokens": contexts * context_size,
                             "dropped_tokens": dropped})
-    return summary
+    return SaelensSummary(str(dst), hook, contexts, context_size, width, contexts * context_size, dropped,
+                          writer.bytes, False)

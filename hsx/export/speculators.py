@@ -39,7 +39,7 @@ from hsx.errors import AlignmentError, HsxError
 from hsx.export.files import INFO, atomic_write, claim, clean_temps, fingerprint, inside, write_json
 from hsx.export.hfdisk import DiskDatasetWriter
 from hsx.export.layers import BoundarySlice, find_boundary, num_layers_of, require_every_position
-from hsx.shards.reader import ShardDataset, open_shards
+from hsx.shards import ShardDataset, open_shards
 
 FORMAT = "speculators-offline"
 CHECKED_WITH = "speculators 0.9.0"
@@ -127,85 +127,118 @@ def _states(s, slices: list[BoundarySlice], t: int) -> torch.Tensor:
     return torch.stack(parts, dim=1)  # a copy: safetensors writes contiguous memory
 
 
-def export_speculators(src: str | Path | ShardDataset, dst: str | Path, *, target_layer_ids: Sequence[int] | None = None,
-                       progress: bool = True) -> SpeculatorsSummary:
-    """Export the shards at ``src`` to speculators' offline layout at ``dst`` (see the module docstring)."""
-    from safetensors.torch import save as safetensors_bytes
-    from tqdm import tqdm
-
-    ds = src if isinstance(src, ShardDataset) else open_shards(src, cache_shards=2)
-    where = str(src) if not isinstance(src, ShardDataset) else "shards"
-    meta = ds.metadata
+def _plan(meta: dict, target_layer_ids: Sequence[int] | None, where: str) -> tuple[list[int], list[BoundarySlice], int]:
+    """The aux boundaries (ascending), where each of them and boundary L sits, and their common width."""
     require_every_position(meta, where, "speculators")
-    mode = meta.get("mode")
-    if mode not in ("generate", "prefill"):
-        raise HsxError(f"{where}: unknown mode {mode!r}; expected generate or prefill")
+    if meta.get("mode") not in ("generate", "prefill"):
+        raise HsxError(f"{where}: unknown mode {meta.get('mode')!r}; expected generate or prefill")
     num_layers = num_layers_of(meta, where)
     aux = _aux_boundaries(meta, target_layer_ids, num_layers, where)
     slices = [find_boundary(meta, b, where) for b in [*aux, num_layers]]
     widths = {sl.stop - sl.start for sl in slices}
     if len(widths) != 1:
         raise HsxError(f"{where}: boundaries {[*aux, num_layers]} have different widths {sorted(widths)}")
+    return aux, slices, widths.pop()
 
-    dst = Path(dst)
-    source = where if isinstance(src, ShardDataset) else str(Path(src).resolve())
-    info = {"format": FORMAT, "writer": "hsx", "checked_with": CHECKED_WITH, "source": source,
+
+def _info(meta: dict, source: str, aux: list[int], width: int) -> dict:
+    num_layers, mode = num_layers_of(meta, source), meta["mode"]
+    return {"format": FORMAT, "writer": "hsx", "checked_with": CHECKED_WITH, "source": source,
             "source_fingerprint": fingerprint({"metadata": meta, "target_layer_ids": aux}),
             "mode": mode, "model": meta.get("model"), "stored_dtype": meta.get("dtype"), "num_layers": num_layers,
             "target_layer_ids": aux, "verifier_boundary": num_layers,
-            "hidden_states": f"[T, {len(aux) + 1}, {widths.pop()}]: boundaries {aux} (vLLM target_layer_ids, block "
+            "hidden_states": f"[T, {len(aux) + 1}, {width}]: boundaries {aux} (vLLM target_layer_ids, block "
                              f"inputs), then boundary {num_layers} (last block output, before the final norm)",
             "alignment": "row t = state after token t; " + ("generate mode: the last token (no state) dropped, T = N-1"
                                                            if mode == "generate" else "prefill mode: T = N")}
+
+
+def _write_states(path: Path, token_ids: torch.Tensor, states: torch.Tensor) -> int:
+    """Bytes written to ``hs_{i}.safetensors``; 0 when a whole file with these tokens is already there."""
+    from safetensors.torch import save as safetensors_bytes
+
+    if path.exists() and _is_complete(path, token_ids, tuple(states.shape), states.dtype):
+        return 0
+    blob = safetensors_bytes({"token_ids": token_ids, "hidden_states": states})
+    return atomic_write(path, lambda f: f.write(blob))
+
+
+class _TokenRows:
+    """The dataset's rows and the learned-token counts, written in blocks as samples come."""
+
+    def __init__(self, writer: DiskDatasetWriter):
+        self.writer = writer
+        self.ids: list[torch.Tensor] = []
+        self.masks: list[torch.Tensor] = []
+        self.freq = torch.zeros(0, dtype=torch.int64)
+
+    def add(self, token_ids: torch.Tensor, loss_mask: torch.Tensor) -> None:
+        learned = token_ids[loss_mask.bool()]
+        if len(learned) and int(learned.max()) >= len(self.freq):
+            self.freq = torch.cat([self.freq, torch.zeros(int(learned.max()) + 1 - len(self.freq), dtype=torch.int64)])
+        self.freq += torch.bincount(learned, minlength=len(self.freq))
+        self.ids.append(token_ids)
+        self.masks.append(loss_mask)
+        if len(self.ids) == ROWS_PER_BLOCK:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.ids:
+            self.writer.write(_block(self.writer.schema, self.ids, self.masks))
+            self.ids, self.masks = [], []
+
+    def counts(self) -> dict[int, int]:
+        seen = torch.nonzero(self.freq).flatten()
+        return dict(zip(seen.tolist(), self.freq[seen].tolist()))  # token ids and counts: integers, not states
+
+
+def export_speculators(src: str | Path | ShardDataset, dst: str | Path, *, target_layer_ids: Sequence[int] | None = None,
+                       progress: bool = True) -> SpeculatorsSummary:
+    """Export the shards at ``src`` to speculators' offline layout at ``dst`` (see the module docstring)."""
+    from tqdm import tqdm
+
+    ds = src if isinstance(src, ShardDataset) else open_shards(src, cache_shards=2)
+    where = str(src) if not isinstance(src, ShardDataset) else "shards"
+    meta = ds.metadata
+    aux, slices, width = _plan(meta, target_layer_ids, where)
+    dst = Path(dst)
+    info = _info(meta, where if isinstance(src, ShardDataset) else str(Path(src).resolve()), aux, width)
     claim(dst, info, lambda d: any(d.iterdir()))
     inside(dst, dst / HIDDEN_DIR).mkdir(exist_ok=True)
     clean_temps(dst)
     clean_temps(dst / HIDDEN_DIR)
 
     writer = DiskDatasetWriter(dst, _features(), fingerprint=info["source_fingerprint"][:16], format_type="torch")
-    freq = torch.zeros(0, dtype=torch.int64)
-    ids_block, mask_block, index_lines = [], [], []
-    written = kept = skipped = tokens = nbytes = 0
-    for i in tqdm(range(len(ds)), desc="export speculators", unit="sample", disable=not progress):
-        s = ds[i]
-        ids = s.input_ids.to(torch.int64)
-        t = len(ids) - 1 if mode == "generate" else len(ids)
-        if t < 2:
-            skipped += 1
-            continue
-        j = len(index_lines)
-        token_ids, loss_mask = ids[:t].clone(), s.loss_mask[:t].to(torch.int64)
-        states = _states(s, slices, t)
-        if not torch.isfinite(states).all():
-            raise HsxError(f"sample {s.sample_id!r}: non-finite hidden states; not exported")
-        path = inside(dst, hs_path(dst, j))
-        if path.exists() and _is_complete(path, token_ids, tuple(states.shape), states.dtype):
-            kept += 1
-        else:
-            blob = safetensors_bytes({"token_ids": token_ids, "hidden_states": states})
-            nbytes += atomic_write(path, lambda f: f.write(blob))
-            written += 1
-        learned = token_ids[loss_mask.bool()]
-        if len(learned):
-            top = int(learned.max()) + 1
-            if top > len(freq):
-                freq = torch.cat([freq, torch.zeros(top - len(freq), dtype=torch.int64)])
-            freq += torch.bincount(learned, minlength=len(freq))
-        ids_block.append(token_ids)
-        mask_block.append(loss_mask)
-        if len(ids_block) == ROWS_PER_BLOCK:
-            writer.write(_block(writer.schema, ids_block, mask_block))
-            ids_block, mask_block = [], []
-        tokens += t
-        index_lines.append(json.dumps({"index": j, "sample_id": s.sample_id, "source_index": s.source_index,
-                                       "tokens": t, "shard_tokens": len(ids)}))
-    if ids_block:
-        writer.write(_block(writer.schema, ids_block, mask_block))
-    writer.finalize()
-    seen = torch.nonzero(freq).flatten()
-    counts = dict(zip(seen.tolist(), freq[seen].tolist()))  # token ids and counts: integers, not states
+    rows, index_lines = _TokenRows(writer), []
+    written = skipped = tokens = nbytes = 0
+    cut = meta["mode"] == "generate"
+    try:
+        for i in tqdm(range(len(ds)), desc="export speculators", unit="sample", disable=not progress):
+            s = ds[i]
+            ids = s.input_ids.to(torch.int64)
+            t = len(ids) - cut
+            if t < 2:
+                skipped += 1
+                continue
+            token_ids, loss_mask = ids[:t].clone(), s.loss_mask[:t].to(torch.int64)
+            states = _states(s, slices, t)
+            if not torch.isfinite(states).all():
+                raise HsxError(f"sample {s.sample_id!r}: non-finite hidden states; not exported")
+            j = len(index_lines)
+            size = _write_states(inside(dst, hs_path(dst, j)), token_ids, states)
+            written, nbytes = written + bool(size), nbytes + size
+            rows.add(token_ids, loss_mask)
+            tokens += t
+            index_lines.append(json.dumps({"index": j, "sample_id": s.sample_id, "source_index": s.source_index,
+                                           "tokens": t, "shard_tokens": len(ids)}))
+        rows.flush()
+        writer.finalize()
+    except BaseException:
+        writer.abort()
+        raise
+    counts = rows.counts()
     atomic_write(inside(dst, dst / TOKEN_FREQ), lambda f: torch.save(counts, f))
     atomic_write(inside(dst, dst / INDEX), lambda f: f.write("".join(x + "\n" for x in index_lines).encode()))
     n = len(index_lines)
     write_json(dst / INFO, {**info, "complete": True, "samples": n, "skipped_short": skipped, "tokens": tokens})
-    return SpeculatorsSummary(str(dst), n, skipped, written, kept, tokens, nbytes, aux, num_layers)
+    return SpeculatorsSummary(str(dst), n, skipped, written, n - written, tokens, nbytes, aux, info["num_layers"])

@@ -345,3 +345,22 @@ def test_speculators_skips_samples_too_short_to_learn_from(tmp_path):
     f = load_file(tmp_path / "spec" / "hidden_states" / "hs_1.safetensors")
     assert torch.equal(bits(f["hidden_states"][:, 0]), bits(rows["s2"]))
     assert torch.equal(bits(f["hidden_states"][:, 1]), bits(rows["s2"] + 1))  # boundary L = 2 last
+
+
+@pytest.mark.slow
+def test_bench_export_runs_and_writes_its_report(tmp_path):
+    import math
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "bench.json"
+    res = subprocess.run([sys.executable, str(root / "scripts/bench_export.py"), "--mb", "2", "--width", "64",
+                          "--json", str(out)], env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    runs = json.loads(out.read_text())["runs"]
+    assert sorted((r["data"], r["method"]) for r in runs) == sorted(
+        (d, m) for d in ("full", "quarter") for m in ("read", "speculators", "saelens"))
+    assert all(math.isfinite(r["mb_per_s"]) and r["mb_per_s"] > 0 and math.isfinite(r["peak_mb"]) for r in runs)

@@ -231,6 +231,53 @@ def export_specforge(
                f"{s.target_vocab_size} covers {s.vocab_coverage:.1%} of learned tokens")
 
 
+def _int_list(text: Optional[str], option: str) -> Optional[list[int]]:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        _fail(f"{option} must be comma-separated integers, got {text!r}")
+
+
+@export_app.command("speculators")
+def export_speculators(
+    src: PathArg,
+    dst: Annotated[Path, typer.Argument(help="Output directory: speculators' --data-path (dataset + hidden_states/).")],
+    target_layer_ids: Annotated[Optional[str], _opt("Aux boundaries, vLLM's target_layer_ids (block inputs = hsx boundaries), e.g. 2,15,27 (default: the eagle3 column's). Boundary L is always added last.")] = None,
+    quiet: Annotated[bool, _opt("No progress bar.", "--quiet", "-q")] = False,
+) -> None:
+    """Write speculators' offline EAGLE3 data (hidden_states/hs_*.safetensors + its Arrow dataset); resumable."""
+    from hsx.export import export_speculators as run_export
+
+    ids = _int_list(target_layer_ids, "--target-layer-ids")
+    s = run_export(src, dst, target_layer_ids=ids, progress=not quiet)
+    typer.echo(f"{s.dst}: {s.samples} samples, {s.tokens:,} tokens; {s.written} file(s) written, {s.kept} already "
+               f"complete, {s.skipped_short} sample(s) under 2 tokens skipped; train with --target-layer-ids "
+               f"{' '.join(map(str, s.target_layer_ids))}")
+
+
+@export_app.command("saelens")
+def export_saelens(
+    src: PathArg,
+    dst: Annotated[Path, typer.Argument(help="Output directory: SAELens' cached_activations_path.")],
+    column: Annotated[str, _opt("The boundary to export (b5 or 5, wherever it is stored) or final.")],
+    context_size: Annotated[int, _opt("Tokens per context (SAELens' context_size).")],
+    hook_name: Annotated[Optional[str], _opt("Column name (default: TransformerLens' hook for the boundary, e.g. blocks.5.hook_resid_pre).")] = None,
+    dtype: Annotated[str, _opt("float32 (exact for every stored dtype) or float16.")] = "float32",
+    concat: Annotated[bool, _opt("Pack samples back to back (default) or one context per sample (--no-concat).", "--concat/--no-concat")] = True,
+    quiet: Annotated[bool, _opt("No progress bar.", "--quiet", "-q")] = False,
+) -> None:
+    """Write one column as SAELens cached activations (a save_to_disk dataset of fixed contexts)."""
+    from hsx.export import export_saelens as run_export
+
+    s = run_export(src, dst, column=column, context_size=context_size, hook_name=hook_name, dtype=dtype,
+                   concat=concat, progress=not quiet)
+    state = "already complete, left as it is" if s.skipped else f"{s.bytes_written:,} bytes written"
+    typer.echo(f"{s.dst}: {s.contexts} contexts x {s.context_size} tokens of {s.hook_name} (d_in {s.d_in}); "
+               f"{s.dropped_tokens} token(s) dropped (last partial context / short samples); {state}")
+
+
 def main() -> None:
     try:
         app()

@@ -21,7 +21,7 @@ __all__ = ["__version__", "HsxError", "AlignmentError", "SampleError", "ShardErr
 
 # name -> the module that defines it, imported when the name is first used
 _LAZY = {"extract": "hsx.pipeline", "RunSummary": "hsx.pipeline", "ExtractConfig": "hsx.config"}
-SUBMODULES = ("align", "analysis", "config", "core", "data", "demo", "eagle3", "engine", "feed", "output", "pipeline",
+SUBMODULES = ("align", "analysis", "config", "core", "data", "demo", "eagle3", "engine", "export", "feed", "output", "pipeline",
               "recompute", "report", "scale", "shards")
 __all__ += list(_LAZY)
 

@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 
 from hsx.config import ExtractConfig
 from hsx.errors import HsxError, SampleError, ShardError
+from hsx.preflight import check_extract, config_refusal, differences
 from hsx.shards.format import build_metadata, config_sha256
 from hsx.shards.lock import LOCK, OutputLock
 from hsx.shards.positions import sample_positions
@@ -59,43 +60,6 @@ class RunSummary:
         return self.accepted / self.verify_steps if self.verify_steps else None
 
 
-def differences(old, new, prefix: str = "") -> list[str]:
-    """``field: old -> new`` for every leaf field that differs between two JSON-like dicts."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        out = []
-        for k in sorted(set(old) | set(new), key=str):
-            out += differences(old.get(k), new.get(k), f"{prefix}{k}.")
-        return out
-    if old == new:
-        return []
-    return [f"{prefix[:-1]}: {_short(old)} -> {_short(new)}"]
-
-
-def _short(value, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _saved_config(out: Path) -> dict | None:
-    try:
-        return json.loads((out / CONFIG).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _config_refusal(out: Path, m: Manifest, cfg: ExtractConfig) -> HsxError:
-    saved = _saved_config(out)
-    if saved is None:
-        what = f"config hash {m.config_hash}, this run {cfg.fingerprint()}; {out / CONFIG} is missing or unreadable"
-    else:
-        ignore = set(ExtractConfig._LAYOUT_ONLY)
-        new = {k: v for k, v in cfg.to_dict().items() if k not in ignore}
-        diff = differences({k: v for k, v in saved.items() if k not in ignore}, new)
-        what = "; ".join(diff) if diff else f"config hash {m.config_hash}, this run {cfg.fingerprint()}"
-    return HsxError(f"{out} holds a run with a different configuration ({what}). "
-                    "Use a new --output, or --overwrite to replace it.")
-
-
 def _prepare_output(out: Path, cfg: ExtractConfig, overwrite: bool) -> Manifest | None:
     """The manifest to resume from, or None for a fresh run; refuses a different config.
 
@@ -107,7 +71,7 @@ def _prepare_output(out: Path, cfg: ExtractConfig, overwrite: bool) -> Manifest 
         if m.config_hash == cfg.fingerprint() and not overwrite:
             return m
         if not overwrite and m.shards:
-            raise _config_refusal(out, m, cfg)
+            raise config_refusal(out, m, cfg)
         overwrite = True
     elif out.exists() and any(p.name != LOCK for p in out.iterdir()) and not overwrite:
         raise HsxError(f"{out} exists, is not empty and has no {MANIFEST}; refusing to write into it (use --overwrite)")
@@ -280,7 +244,7 @@ def extract(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool = Tru
     The output directory is locked for the whole run (:class:`~hsx.shards.lock.OutputLock`).
     With ``cfg.ray`` the work is spread over Ray workers (:mod:`hsx.scale`).
     """
-    cfg.validate()
+    check_extract(cfg, overwrite)
     if cfg.ray:
         from hsx.scale import extract_ray
 
@@ -318,9 +282,12 @@ def _extract_here(cfg: ExtractConfig, out: Path, overwrite: bool, progress: bool
     bar = tqdm(total=len(rows), unit="sample", disable=not progress, dynamic_ncols=True)
     prompts = _pending_prompts(enumerate(rows), renderer, manifest.done_ids(), sink, summary, bar)
 
+    t_run = time.perf_counter()  # the rate counts decoding, not the model load
+
     def after_sample(n: int) -> None:
+        # the postfix goes first: update() draws it (a postfix set after the draw shows one sample late)
+        bar.set_postfix(tok_s=f"{summary.tokens / (time.perf_counter() - t_run):,.0f}", errors=summary.errors, refresh=False)
         bar.update(n)
-        bar.set_postfix(tok_s=f"{summary.tokens / (time.perf_counter() - t0):,.0f}", errors=summary.errors, refresh=False)
 
     try:
         run_prompts(engine, prompts, sink, summary, cfg, after_sample)

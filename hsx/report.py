@@ -2,6 +2,30 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+# The libraries' own bars and info lines (weights loading, dataset conversion, Ray's start-up),
+# silenced unless the user set these variables or asked for -v: hsx prints one bar and one summary.
+LIBRARY_QUIET = {
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "DATASETS_VERBOSITY": "error",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "RAY_LOGGER_LEVEL": "warning",
+    "RAY_DEDUP_LOGS": "1",
+}
+
+
+def quiet_libraries(verbose: bool = False) -> None:
+    """Set :data:`LIBRARY_QUIET` in the environment where it is unset (before the libraries import,
+    which read them then; Ray's workers inherit them); ``verbose`` leaves everything as it is."""
+    if verbose:
+        return
+    for key, value in LIBRARY_QUIET.items():
+        os.environ.setdefault(key, value)
+
 
 def _mb(n: float) -> str:
     return f"{n / 1e6:,.1f} MB"
@@ -79,6 +103,22 @@ def format_verify(r) -> str:
     bad = sum(1 for s in r.shards if s.faults) + (1 if r.faults else 0)
     lines.append("verify: OK" if r.ok else f"verify: FAILED ({bad} shard(s) or manifest with faults)")
     return "\n".join(lines)
+
+
+def format_interrupted(output: str) -> str:
+    """What a Ctrl-C left behind: the samples the output's manifest commits, and how to go on."""
+    from hsx.errors import ShardError
+    from hsx.shards.manifest import MANIFEST, load_manifest
+
+    try:
+        m = load_manifest(output) if (Path(output) / MANIFEST).is_file() else None
+    except ShardError:
+        m = None
+    if m is None:
+        return f"interrupted: nothing committed to {output} yet; re-run the same command to start"
+    errors = f" and {len(m.errors):,} error record(s)" if m.errors else ""
+    return (f"interrupted: {m.num_samples:,} samples{errors} committed to {output}; "
+            "re-run the same command to resume")
 
 
 def format_run(s) -> str:

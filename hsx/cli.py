@@ -21,9 +21,10 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
-    # click's plain help: wraps to the terminal (COLUMNS) without cutting option names, and reads
-    # help text as text (rich markup would eat "[ray]")
+    # click's plain help: wraps to the terminal's width (COLUMNS; click alone stops at 80) without
+    # cutting option names, and reads help text as text (rich markup would eat "[ray]")
     rich_markup_mode=None,
+    context_settings={"max_content_width": 400},
 )
 export_app = typer.Typer(help="Write shards in another tool's layout.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(export_app, name="export")

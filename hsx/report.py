@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 # The libraries' own bars and info lines (weights loading, dataset conversion, Ray's start-up),
@@ -19,12 +20,23 @@ LIBRARY_QUIET = {
 
 
 def quiet_libraries(verbose: bool = False) -> None:
-    """Set :data:`LIBRARY_QUIET` in the environment where it is unset (before the libraries import,
-    which read them then; Ray's workers inherit them); ``verbose`` leaves everything as it is."""
+    """Set :data:`LIBRARY_QUIET` in the environment where it is unset (the libraries read it when
+    they are imported; Ray's workers inherit it), and tell the libraries this process has already
+    imported the same through their own switches; ``verbose`` leaves everything as it is."""
     if verbose:
         return
     for key, value in LIBRARY_QUIET.items():
         os.environ.setdefault(key, value)
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    if "datasets" in sys.modules:
+        import datasets
+
+        datasets.disable_progress_bars()
+        datasets.logging.set_verbosity_error()
 
 
 def _mb(n: float) -> str:

@@ -95,8 +95,7 @@ def verify(
         from hsx.recompute import recompute as run_recompute
 
         if model is not None:
-            model_config(model, "--model")
-
+            model_config(model, "--model", tokenizer=False)  # the forward reads stored token ids
         checked = run_recompute(path, model=model, device=device, dtype=model_dtype, samples=samples, seed=seed,
                                 batch_size=batch_size, rtol=rtol, force=force, trust_remote_code=trust_remote_code,
                                 progress=not quiet and not as_json)
@@ -152,10 +151,10 @@ def _engine_args(tp_size, dp_size, mem_fraction, attention_backend, pairs) -> di
 @app.command()
 def extract(
     ctx: typer.Context,
-    model: Annotated[str, _opt("Target model: a local path (or hub id where a hub is reachable); or model in --config.")],
+    model: Annotated[str, _opt("Target model: a model directory (config.json, weights, tokenizer files), or a hub id (name or org/name, from the hub or its local cache); or model in --config.")],
     dataset: Annotated[str, _opt("A local json/jsonl/parquet/csv file, a saved dataset directory, or a hub name; or dataset in --config.")],
     output: Annotated[str, _opt("Output directory for shards and manifest; or output in --config.", "--output", "-o")],
-    draft_model: Annotated[Optional[str], _opt("Draft model for speculative decoding (shares the tokenizer).")] = None,
+    draft_model: Annotated[Optional[str], _opt("Draft model for speculative decoding, named as --model (shares its tokenizer).")] = None,
     engine: Annotated[str, _cfg("Engine: hf (transformers, CPU or GPU) or sglang.")] = _D.engine,
     mode: Annotated[str, _cfg("generate: prompt + completion; prefill: teacher-forced over whole conversations.")] = _D.mode,
     layers: Annotated[str, _cfg("Comma-separated layer groups: final, eagle3, boundary numbers (0 = embeddings, L = last block before the norm).")] = _D.layers,
@@ -199,7 +198,7 @@ def extract(
     unit_size: Annotated[Optional[int], _opt("--ray: source rows per work unit, a multiple of --window (default 32 batches).")] = None,
     config: Annotated[Optional[Path], _opt("A TOML or JSON file with any of these options (command-line options win).",
                                            is_eager=True, callback=_load_required)] = None,
-    overwrite: Annotated[bool, _opt("Replace an existing output written with a different configuration.")] = False,
+    overwrite: Annotated[bool, _opt("Replace an existing output written with a different configuration.", "--overwrite")] = False,
     quiet: Annotated[bool, _opt("Print nothing but errors: no progress bar, no summary.", "--quiet", "-q")] = False,
     verbose: Verbose = False,
 ) -> None:

@@ -91,11 +91,15 @@ def verify(
     report = verify_shards(path)
     checked = None
     if recompute and report.ok:
+        from hsx import open as hsx_open
         from hsx.preflight import model_config
         from hsx.recompute import recompute as run_recompute
 
-        if model is not None:
-            model_config(model, "--model", tokenizer=False)  # the forward reads stored token ids
+        # the forward reads stored token ids: no tokenizer needed
+        recorded = None if model else (hsx_open(path).metadata.get("model") or {}).get("path")
+        if model or recorded:
+            model_config(model or recorded, "--model" if model else "the shards' model (another copy: --model)",
+                         tokenizer=False)
         checked = run_recompute(path, model=model, device=device, dtype=model_dtype, samples=samples, seed=seed,
                                 batch_size=batch_size, rtol=rtol, force=force, trust_remote_code=trust_remote_code,
                                 progress=not quiet and not as_json)

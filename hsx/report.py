@@ -14,7 +14,7 @@ LIBRARY_QUIET = {
     "TRANSFORMERS_VERBOSITY": "error",
     "DATASETS_VERBOSITY": "error",
     "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
-    "RAY_LOGGER_LEVEL": "warning",
+    "RAY_LOGGER_LEVEL": "error",
     "RAY_DEDUP_LOGS": "1",
 }
 

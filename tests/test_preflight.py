@@ -153,6 +153,12 @@ def test_verify_recompute_checks_its_model_path_before_loading(tmp_path):
     (tmp_path / "empty").mkdir()
     result = CliRunner().invoke(app, ["verify", str(tmp_path / "shards"), "--recompute", "--model", str(tmp_path / "empty")])
     assert "is not a model directory: no config.json" in refused(result)
+    meta = make_metadata([4])
+    meta["model"]["path"] = str(tmp_path / "moved")
+    write_sink(tmp_path / "moved-shards", meta, finite_records(meta, [3]))
+    result = CliRunner().invoke(app, ["verify", str(tmp_path / "moved-shards"), "--recompute"])
+    assert refused(result).startswith(f"the shards' model (another copy: --model) {str(tmp_path / 'moved')!r}: "
+                                      "no such directory")
 
 
 # --------------------------------------------------------------------------- refused before the model loads

@@ -67,10 +67,10 @@ def model_config(name: str, what: str, tokenizer: bool = True) -> SimpleNamespac
     model directory; None for a hub id that will be downloaded (nothing local to check)."""
     if looks_local(name):
         return _read_config(_model_dir(name, what, tokenizer))
+    offline = hub_offline()  # first: a cached model must load offline too when the hub is out of reach
     cached = _cached_hub_file(name, "config.json")
     if cached is not None:
         return _read_config(Path(cached))
-    offline = hub_offline()
     if offline:
         raise HsxError(f"{what} {name!r}: no such local directory, and as a hub id it is not in the local "
                        f"Hugging Face cache while {offline}; pass the path of a model directory "

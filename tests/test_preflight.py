@@ -136,13 +136,57 @@ def test_a_mistyped_model_path_fails_at_once_naming_the_option(model_dir, tmp_pa
 
 
 def test_a_hub_id_not_in_the_cache_fails_at_once_when_offline(model_dir, tmp_path, monkeypatch, no_engine):
+    import huggingface_hub.constants as constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
     monkeypatch.chdir(tmp_path)
     data = write_rows(tmp_path / "d.jsonl", ROWS)
     msg = refused(CliRunner().invoke(app, args("someorg/somemodel", data, tmp_path / "out")))
     assert msg.startswith("--model 'someorg/somemodel': no such local directory, and as a hub id it is not in the "
                           "local Hugging Face cache while HF_HUB_OFFLINE is set"), msg
+
+
+def test_a_cached_hub_id_is_read_from_the_cache(model_dir, tmp_path, monkeypatch):
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # read at import: the module's value
+    monkeypatch.chdir(tmp_path)
+    repo = tmp_path / "hub" / "models--someorg--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123")
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    for f in Path(model_dir).iterdir():
+        (repo / "snapshots" / "abc123" / f.name).write_bytes(f.read_bytes())
+    assert model_config("someorg/tiny", "--model").num_hidden_layers == NUM_LAYERS
+    cfg = ExtractConfig(model="someorg/tiny", dataset=str(write_rows(tmp_path / "d.jsonl", ROWS)),
+                        output=str(tmp_path / "out"), layers="final,7")
+    with pytest.raises(HsxError, match=rf"boundary 7 is outside 0..{NUM_LAYERS}"):
+        check_extract(cfg)  # the cached config.json is checked like a local one
+
+
+def test_an_unreachable_hub_puts_the_process_offline(monkeypatch):
+    import socket
+
+    import huggingface_hub.constants as constants
+
+    from hsx.preflight import hub_offline
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+    def unreachable(address, timeout):
+        raise OSError(101, "Network is unreachable")
+
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    hub_offline.cache_clear()
+    try:
+        assert hub_offline() == "huggingface.co:443 cannot be reached (Network is unreachable)"
+        assert os.environ["HF_HUB_OFFLINE"] == "1" and constants.HF_HUB_OFFLINE is True
+    finally:
+        hub_offline.cache_clear()
 
 
 def test_verify_recompute_checks_its_model_path_before_loading(tmp_path):

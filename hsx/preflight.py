@@ -46,6 +46,9 @@ def check_extract(cfg: ExtractConfig, overwrite: bool = False) -> None:
     target = model_config(cfg.model, "--model", tokenizer=True)
     draft = model_config(cfg.draft_model, "--draft-model", tokenizer=False) if cfg.draft_model else None
     if target is not None:
+        if not getattr(target, "model_type", None) and not getattr(target, "auto_map", None):
+            raise HsxError(f"--model {cfg.model!r}: its config.json has no model_type, so transformers cannot "
+                           "tell which model class to build")
         check_layers(cfg, target, draft is not None)
         check_max_length(cfg, target)
     check_dataset(cfg)

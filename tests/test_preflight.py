@@ -115,6 +115,15 @@ def test_a_directory_that_is_not_a_model_says_what_is_missing(model_dir, tmp_pat
         assert text not in msg, msg
 
 
+def test_a_config_without_model_type_is_refused(model_dir, tmp_path, no_engine):
+    d = _dir_with(tmp_path, model_dir, {p.name for p in Path(model_dir).iterdir()})
+    config = json.loads((d / "config.json").read_text())
+    del config["model_type"]
+    (d / "config.json").write_text(json.dumps(config))
+    data = write_rows(tmp_path / "d.jsonl", ROWS)
+    assert "its config.json has no model_type" in refused(CliRunner().invoke(app, args(str(d), data, tmp_path / "out")))
+
+
 def test_a_draft_needs_no_tokenizer_files_but_a_target_does(model_dir, tmp_path):
     d = _dir_with(tmp_path, model_dir, {"config.json", "model.safetensors"})
     assert model_config(str(d), "--draft-model", tokenizer=False).num_hidden_layers == NUM_LAYERS

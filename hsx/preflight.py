@@ -6,11 +6,11 @@ header should cost a second, not a model load: :func:`check_extract` reads only 
 dataset's ``dataset_info.json``, the output's manifest) and imports neither torch nor
 transformers nor datasets.
 
-How a model is named: a string that exists, starts with ``/``, ``.`` or ``~``, or has more than
-one ``/`` is a local path, and must be a model directory (``config.json``, weights, tokenizer
-files). Anything else that does not exist may be a hub id (``name`` or ``org/name``): it is
-looked up in the local Hugging Face cache, and when the hub cannot be reached (or
-``HF_HUB_OFFLINE`` is set) the process goes offline, so a hub id not in the cache fails at once
+How a model is named (:func:`looks_local`): a string that exists, starts with ``/``, ``.`` or
+``~``, has more than one ``/``, or is ``dir/name`` with ``dir`` here is a local path, and must be a
+model directory (``config.json``, weights, tokenizer files). Anything else may be a hub id
+(``name`` or ``org/name``): when the hub cannot be reached (or ``HF_HUB_OFFLINE`` is set) the
+process goes offline, so a hub id is read from the local Hugging Face cache or fails at once,
 instead of after the hub client's retries.
 """
 

@@ -137,7 +137,7 @@ def format_run(s) -> str:
     rate = s.tokens / s.seconds if s.seconds else 0.0
     lines = [
         f"wrote {s.samples:,} samples ({s.tokens:,} tokens, {s.completion_tokens:,} generated, {s.rows:,} rows per column) "
-        f"to {s.output} in {s.seconds:.1f} s ({rate:,.0f} tokens/s)",
+        f"to {s.output} in {s.seconds:.1f} s, start-up included ({rate:,.0f} tokens/s)",
         f"  shards on disk: {s.bytes / 1e6:,.1f} MB in total",
     ]
     if s.workers:

@@ -246,6 +246,8 @@ def _saved_columns(path: Path, source: str, split: str) -> list[str] | None:
         if split not in splits:
             raise HsxError(f"dataset {source!r} has no split {split!r}; available splits: {sorted(splits)}")
         path = path / split
+    if not (path / "state.json").is_file():
+        return None  # not written by save_to_disk: the loader infers files and splits itself
     try:
         features = json.loads((path / "dataset_info.json").read_text()).get("features")
     except (OSError, ValueError):

@@ -230,6 +230,14 @@ def _saved(tmp_path: Path) -> Path:
     return path
 
 
+def _saved_single(tmp_path: Path) -> Path:
+    import datasets
+
+    path = tmp_path / "saved-one"
+    datasets.Dataset.from_list([{"id": r["id"], "body": r["text"]} for r in ROWS]).save_to_disk(str(path))
+    return path
+
+
 MISTAKES = {
     "missing dataset": (lambda t: t / "nope.jsonl", [], r"dataset '.*nope.jsonl': no such file or directory"),
     "layer out of range": (None, ["--layers", "final,999"], rf"boundary 999 is outside 0..{NUM_LAYERS} for a {NUM_LAYERS}-block model"),
@@ -238,6 +246,7 @@ MISTAKES = {
     "split of a file": (None, ["--split", "test"], r"has no split 'test'; available splits: \['train'\]"),
     "parquet without a text column": (_parquet, [], r"no column to render.*its columns are \['id', 'body'\]"),
     "saved dataset split": (_saved, ["--split", "validation"], r"has no split 'validation'; available splits: \['train'\]"),
+    "saved dataset without a text column": (_saved_single, [], r"no column to render.*its columns are \['id', 'body'\]"),
     "max length beyond the model": (None, ["--max-length", "5000"], r"--max-length 5000 is longer than the model's context \(max_position_embeddings 1024"),
     "spec options without a draft": (None, ["--spec-topk", "2"], r"--spec-\* options need --draft-model"),
 }
@@ -269,6 +278,17 @@ def test_columns_are_the_union_of_a_jsonl_files_rows(model_dir, tmp_path):
     check_extract(cfg)  # 'body' is not in the first row, but the loader's columns are the union
     with pytest.raises(HsxError, match=r"--text-field 'title' is not a column.*\['id', 'text', 'body'\]"):
         check_extract(ExtractConfig(**{**cfg.to_dict(), "text_field": "title"}))
+
+
+def test_a_directory_not_written_by_save_to_disk_is_left_to_the_loader(tmp_path):
+    from hsx.preflight import dataset_columns
+
+    d = tmp_path / "files"
+    d.mkdir()
+    write_rows(d / "train.jsonl", ROWS)
+    (d / "dataset_info.json").write_text(json.dumps({"features": {"other": {"dtype": "string"}}}))
+    assert dataset_columns(d, str(d), "train") is None
+    assert dataset_columns(_saved(tmp_path), "saved", "train") == ["id", "text"]
 
 
 def test_the_python_api_runs_the_same_checks(model_dir, tmp_path, no_engine):

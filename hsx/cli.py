@@ -13,6 +13,7 @@ import typer
 
 from hsx.config import ExtractConfig
 from hsx.errors import HsxError
+from hsx.report import quiet_libraries
 
 app = typer.Typer(
     name="hsx",
@@ -20,12 +21,19 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # click's plain help: wraps to the terminal's width (COLUMNS; click alone stops at 80) without
+    # cutting option names, and reads help text as text (rich markup would eat "[ray]")
+    rich_markup_mode=None,
+    context_settings={"max_content_width": 400},
 )
-export_app = typer.Typer(help="Write shards in another tool's layout.", no_args_is_help=True)
+export_app = typer.Typer(help="Write shards in another tool's layout.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(export_app, name="export")
 
 PathArg = Annotated[Path, typer.Argument(help="An hsx output directory (with manifest.json) or one shard file.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors (and the report).")]
+Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Also show the libraries' own progress bars, "
+                                       "info lines and warnings.")]
 _D = ExtractConfig()  # the one source of the defaults --help shows
 
 
@@ -69,7 +77,8 @@ def verify(
     batch_size: Annotated[int, _opt("--recompute: samples per forward (default 8).")] = 8,
     rtol: Annotated[Optional[float], _opt("--recompute: per-row relative error limit (default: by stored and compute dtypes, see docs/RECOMPUTE.md).")] = None,
     trust_remote_code: Annotated[bool, _opt("--recompute: allow the model repository to run its own code.", "--trust-remote-code")] = False,
-    quiet: Annotated[bool, _opt("No progress bar.", "--quiet", "-q")] = False,
+    quiet: Quiet = False,
+    verbose: Verbose = False,
 ) -> None:
     """Check manifest vs files, checksums, schema, alignment row counts and NaN/Inf; with --recompute, every
     row against an independent forward of the model. Exit 1 on any fault."""
@@ -78,11 +87,19 @@ def verify(
     from hsx.report import format_recompute, format_verify
     from hsx.shards.verify import verify as verify_shards
 
+    quiet_libraries(verbose)
     report = verify_shards(path)
     checked = None
     if recompute and report.ok:
+        from hsx import open as hsx_open
+        from hsx.preflight import model_config
         from hsx.recompute import recompute as run_recompute
 
+        # the forward reads stored token ids: no tokenizer needed
+        recorded = None if model else (hsx_open(path).metadata.get("model") or {}).get("path")
+        if model or recorded:
+            model_config(model or recorded, "--model" if model else "the shards' model (another copy: --model)",
+                         tokenizer=False)
         checked = run_recompute(path, model=model, device=device, dtype=model_dtype, samples=samples, seed=seed,
                                 batch_size=batch_size, rtol=rtol, force=force, trust_remote_code=trust_remote_code,
                                 progress=not quiet and not as_json)
@@ -138,10 +155,10 @@ def _engine_args(tp_size, dp_size, mem_fraction, attention_backend, pairs) -> di
 @app.command()
 def extract(
     ctx: typer.Context,
-    model: Annotated[str, _opt("Target model: a local path (or hub id where a hub is reachable); or model in --config.")],
+    model: Annotated[str, _opt("Target model: a model directory (config.json, weights, tokenizer files), or a hub id (name or org/name, from the hub or its local cache); or model in --config.")],
     dataset: Annotated[str, _opt("A local json/jsonl/parquet/csv file, a saved dataset directory, or a hub name; or dataset in --config.")],
     output: Annotated[str, _opt("Output directory for shards and manifest; or output in --config.", "--output", "-o")],
-    draft_model: Annotated[Optional[str], _opt("Draft model for speculative decoding (shares the tokenizer).")] = None,
+    draft_model: Annotated[Optional[str], _opt("Draft model for speculative decoding, named as --model (shares its tokenizer).")] = None,
     engine: Annotated[str, _cfg("Engine: hf (transformers, CPU or GPU) or sglang.")] = _D.engine,
     mode: Annotated[str, _cfg("generate: prompt + completion; prefill: teacher-forced over whole conversations.")] = _D.mode,
     layers: Annotated[str, _cfg("Comma-separated layer groups: final, eagle3, boundary numbers (0 = embeddings, L = last block before the norm).")] = _D.layers,
@@ -185,20 +202,18 @@ def extract(
     unit_size: Annotated[Optional[int], _opt("--ray: source rows per work unit, a multiple of --window (default 32 batches).")] = None,
     config: Annotated[Optional[Path], _opt("A TOML or JSON file with any of these options (command-line options win).",
                                            is_eager=True, callback=_load_required)] = None,
-    overwrite: Annotated[bool, _opt("Replace an existing output written with a different configuration.")] = False,
-    quiet: Annotated[bool, _opt("No progress bar.", "--quiet", "-q")] = False,
+    overwrite: Annotated[bool, _opt("Replace an existing output written with a different configuration.", "--overwrite")] = False,
+    quiet: Annotated[bool, _opt("Print nothing but errors: no progress bar, no summary.", "--quiet", "-q")] = False,
+    verbose: Verbose = False,
 ) -> None:
     """Extract per-token hidden states from a dataset into aligned shards (resumes an interrupted run)."""
     # Only options given on the command line override the config file (defaults shown in --help are
     # ExtractConfig's own, and the file's values win over them).
     given = {k for k in ctx.params if getattr(ctx.get_parameter_source(k), "name", None) == "COMMANDLINE"}
-    overrides = {k: v for k, v in locals().items() if k in given and k not in ("config", "overwrite", "quiet")}
+    overrides = {k: v for k, v in locals().items() if k in given and k not in ("config", "overwrite", "quiet", "verbose")}
     engine_args = _engine_args(tp_size, dp_size, mem_fraction, attention_backend, engine_arg)
     for name in ("tp_size", "dp_size", "mem_fraction", "attention_backend", "engine_arg"):
         overrides.pop(name, None)
-    from hsx.pipeline import extract as run_extract
-    from hsx.report import format_run
-
     if eagle3_layer_ids is not None:
         try:
             overrides["eagle3_layer_ids"] = [int(x) for x in eagle3_layer_ids.split(",")]
@@ -210,8 +225,23 @@ def extract(
     if ray_address is not None:
         overrides["ray"] = True
     cfg = base.merged(overrides)
-    summary = run_extract(cfg, overwrite=overwrite, progress=not quiet)
-    typer.echo(format_run(summary))
+    quiet_libraries(verbose)
+    try:
+        from hsx.preflight import check_extract
+
+        check_extract(cfg, overwrite)  # before torch is imported: a mistake costs a second, not a model load
+        from hsx.pipeline import extract as run_extract
+
+        summary = run_extract(cfg, overwrite=overwrite, progress=not quiet)
+    except KeyboardInterrupt:
+        from hsx.report import format_interrupted
+
+        typer.echo(format_interrupted(cfg.output), err=True)
+        raise typer.Exit(130) from None
+    if not quiet:
+        from hsx.report import format_run
+
+        typer.echo(format_run(summary))
 
 
 @export_app.command("specforge")
@@ -220,9 +250,11 @@ def export_specforge(
     dst: Annotated[Path, typer.Argument(help="Output directory for SpecForge's offline EAGLE3 layout.")],
     draft_vocab_size: Annotated[Optional[int], _opt("Draft vocabulary size for vocab_mapping.pt (default: the draft config's, else the whole target vocabulary).")] = None,
     draft_config: Annotated[Optional[Path], _opt("The draft's config.json (or its directory): checked against the shards' widths and eagle3 layers.")] = None,
-    quiet: Annotated[bool, _opt("No progress bar.", "--quiet", "-q")] = False,
+    quiet: Quiet = False,
+    verbose: Verbose = False,
 ) -> None:
     """Write SpecForge offline EAGLE3 files (rows_*/data_*.ckpt, vocab_mapping/vocab_mapping.pt); resumable."""
+    quiet_libraries(verbose)
     from hsx.eagle3.export import export_specforge as run_export
 
     s = run_export(src, dst, draft_vocab_size=draft_vocab_size, draft_config=draft_config, progress=not quiet)

@@ -94,18 +94,20 @@ class RunSummary:
 
 
 class Progress:
-    """A run's progress bar: source rows done, tokens per second, errors."""
+    """A run's progress bar: source rows done, tokens per second (from the bar's start: after the
+    model has loaded), errors."""
 
-    def __init__(self, total: int, summary: RunSummary, enabled: bool = True, t0: float | None = None):
+    def __init__(self, total: int, summary: RunSummary, enabled: bool = True):
         self.bar = tqdm(total=total, unit="sample", disable=not enabled, dynamic_ncols=True)
-        self.summary, self.t0 = summary, time.perf_counter() if t0 is None else t0
+        self.summary, self.t0 = summary, time.perf_counter()
 
     def update(self, item) -> None:
         """Count one item of :func:`results` (a :class:`Resumed` counts its rows)."""
         s = self.summary
-        self.bar.update(item.count if isinstance(item, Resumed) else 1)
+        # the postfix goes first: update() draws it (one set after the draw shows a sample late)
         self.bar.set_postfix(tok_s=f"{s.tokens / max(time.perf_counter() - self.t0, 1e-9):,.0f}", errors=s.errors,
                              refresh=False)
+        self.bar.update(item.count if isinstance(item, Resumed) else 1)
 
     def close(self) -> None:
         self.bar.close()

@@ -36,7 +36,7 @@ def _saved_config(out: Path) -> dict | None:
         return None
 
 
-def _config_refusal(out: Path, m: Manifest, cfg: ExtractConfig) -> HsxError:
+def config_refusal(out: Path, m: Manifest, cfg: ExtractConfig) -> HsxError:
     saved = _saved_config(out)
     if saved is None:
         what = f"config hash {m.config_hash}, this run {cfg.fingerprint()}; {out / CONFIG} is missing or unreadable"
@@ -60,7 +60,7 @@ def prepare_output(out: Path, cfg: ExtractConfig, overwrite: bool) -> Manifest |
         if m.config_hash == cfg.fingerprint() and not overwrite:
             return m
         if not overwrite and m.shards:
-            raise _config_refusal(out, m, cfg)
+            raise config_refusal(out, m, cfg)
         overwrite = True
     elif out.exists() and any(p.name != LOCK for p in out.iterdir()) and not overwrite:
         raise HsxError(f"{out} exists, is not empty and has no {MANIFEST}; refusing to write into it (use --overwrite)")

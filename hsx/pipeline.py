@@ -9,6 +9,7 @@ from hsx.config import ExtractConfig
 from hsx.core import Progress, RunSummary, make_renderer, open_rows, results, run_metadata, write_results
 from hsx.errors import ShardError
 from hsx.output import check_resume, differences, open_manifest, prepare_output
+from hsx.preflight import check_extract
 from hsx.shards.background import BackgroundSink
 from hsx.shards.lock import OutputLock
 
@@ -21,7 +22,7 @@ def extract(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool = Tru
     The output directory is locked for the whole run (:class:`~hsx.shards.lock.OutputLock`).
     With ``cfg.ray`` the work is spread over Ray workers (:mod:`hsx.scale`).
     """
-    cfg.validate()
+    check_extract(cfg, overwrite)
     if cfg.ray:
         from hsx.scale import extract_ray
 
@@ -45,7 +46,7 @@ def _extract_here(cfg: ExtractConfig, out: Path, overwrite: bool, progress: bool
     # shards are encoded and written on a thread of their own, behind a bounded queue
     sink = BackgroundSink(out, manifest, compression=cfg.compression, max_shard_bytes=cfg.max_shard_mb << 20,
                           max_shard_samples=cfg.max_shard_samples)
-    bar = Progress(len(rows), summary, progress, t0)
+    bar = Progress(len(rows), summary, progress)
     try:
         write_results(results(engine, enumerate(rows), renderer, cfg, manifest.done_ids()), sink, summary, bar.update)
     except BaseException:  # Ctrl-C, or an error: everything finished so far becomes durable

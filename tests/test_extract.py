@@ -228,7 +228,8 @@ def test_sigkill_then_resume_gives_each_sample_once(models, tmp_path):
 def test_cli_extract_inspect_verify(models, tmp_path):
     data = write_jsonl(tmp_path / "data.jsonl", GOOD_ROWS)
     runner = CliRunner()
-    result = runner.invoke(app, _cli_args(models, data, tmp_path / "out"))
+    loud = [a for a in _cli_args(models, data, tmp_path / "out") if a != "--quiet"]  # --quiet prints no summary
+    result = runner.invoke(app, loud)
     assert result.exit_code == 0, result.output
     assert f"wrote {len(GOOD_ROWS)} samples" in result.output
     info = runner.invoke(app, ["inspect", "--json", str(tmp_path / "out")])

@@ -149,10 +149,24 @@ def _extract_command():
     return typer.main.get_command(app).commands["extract"]
 
 
+def help_entries(text: str) -> dict[str, str]:
+    """``--option`` -> its whole help entry (the option line and the lines wrapped under it)."""
+    entries, current = {}, None
+    for line in text.splitlines():
+        if (m := re.match(r"^  (?:-[a-z], )?(--[a-z0-9-]+)", line)):
+            current = m.group(1)
+            entries[current] = line.strip()
+        elif current and line.startswith("    "):
+            entries[current] += " " + line.strip()
+        else:
+            current = None
+    return entries
+
+
 def test_extract_help_marks_required_options_and_shows_defaults(tmp_path):
     runner = CliRunner()
-    text = runner.invoke(app, ["extract", "--help"], env={"COLUMNS": "250", "NO_COLOR": "1"}).output
-    lines = {m.group(1): line for line in text.splitlines() if (m := re.search(r"(--[a-z0-9-]+)", line))}
+    text = runner.invoke(app, ["extract", "--help"], env={"NO_COLOR": "1"}).output
+    lines = help_entries(text)
     for name in ("--model", "--dataset", "--output"):
         assert "[required]" in lines[name], lines[name]
     for name, default in (("--mode", "generate"), ("--layers", "final"), ("--engine", "hf"), ("--keep", "all"),

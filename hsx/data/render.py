@@ -63,6 +63,26 @@ class Prompt:
     loss_mask: list[int]  # same length as input_ids, 1 on tokens to learn from
 
 
+def row_shapes(column_names: Iterable[str], text_field: str | None = None, id_field: str | None = None) -> list[tuple[str, str]]:
+    """``(shape, column)`` pairs a dataset with these columns can be rendered from, in order of
+    preference; fails naming the columns if a named field is missing or none can be rendered."""
+    columns = list(column_names)
+    for role, name in (("--text-field", text_field), ("--id-field", id_field)):
+        if name is not None and name not in columns:
+            raise HsxError(f"{role} {name!r} is not a column of the dataset; its columns are {columns}")
+    text_column = text_field or next((c for c in TEXT_FIELDS if c in columns), None)
+    text = [("text", text_column)] if text_column else []
+    chats = [(shape, shape) for shape in CHAT_SHAPES if shape in columns]
+    candidates = text + chats if text_field else chats + text
+    if not candidates:
+        raise HsxError(
+            f"the dataset has no column to render: looked for 'messages', 'conversations' or a text "
+            f"column ({', '.join(TEXT_FIELDS)}; another one can be named with --text-field); "
+            f"its columns are {columns}"
+        )
+    return candidates
+
+
 class Renderer:
     def __init__(
         self,
@@ -88,20 +108,8 @@ class Renderer:
 
     def detect(self, column_names: Iterable[str]) -> str:
         """The dataset's preferred row shape; fails if it has no column this renderer can use."""
-        columns = list(column_names)
-        for role, name in (("--text-field", self.text_field), ("--id-field", self.id_field)):
-            if name is not None and name not in columns:
-                raise HsxError(f"{role} {name!r} is not a column of the dataset; its columns are {columns}")
-        text_column = self.text_field or next((c for c in TEXT_FIELDS if c in columns), None)
-        text = [("text", text_column)] if text_column else []
-        chats = [(shape, shape) for shape in CHAT_SHAPES if shape in columns]
-        candidates = text + chats if self.text_field else chats + text
-        if not candidates:
-            raise HsxError(
-                f"the dataset has no column to render: looked for 'messages', 'conversations' or a text "
-                f"column ({', '.join(TEXT_FIELDS)}; another one can be named with --text-field); "
-                f"its columns are {columns}"
-            )
+        candidates = row_shapes(column_names, self.text_field, self.id_field)
+        chats = [c for c in candidates if c[0] != "text"]
         if chats:
             self._template_marks_assistant = bool(GENERATION_TAG.search(self._check_template()))
         self._candidates = candidates

@@ -33,12 +33,14 @@ MAX_BYTES = 12 * 1024
 # line there). .ci/run runs them in its own folders: its lines, as compared, lose "$scratch/" and
 # "$HSX_VENV/bin/".
 TOUR = "python scripts/train_eagle3_demo.py --shards demo_out/shards --save-head demo_out/eagle3_head"
-EXPORT = "hsx export specforge demo_out/shards demo_out/specforge"
+EXPORTS = ("hsx export specforge demo_out/shards demo_out/specforge",
+           "hsx export speculators demo_out/shards demo_out/speculators",
+           "hsx export saelens demo_out/shards demo_out/saelens --column b8 --context-size 64")
 RUN_BY_CI = {
     "bash scripts/demo.sh": (CI, "bash scripts/demo.sh demo_out"),  # demo_out: demo.sh's default output
     "bash scripts/test.sh": (CI, "bash scripts/test.sh"),
     TOUR: (CI, TOUR),
-    EXPORT: (CI, EXPORT),
+    **{export: (CI, export) for export in EXPORTS},
 }
 RUN_HERE = ("hsx", "jupyter")  # programs whose README commands this file runs
 

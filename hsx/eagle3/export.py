@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -35,7 +34,7 @@ import torch
 from hsx.eagle3.dataset import Eagle3Dataset, load_draft_config
 from hsx.eagle3.vocab import count_loss_tokens, vocab_mapping
 from hsx.errors import HsxError
-from hsx.shards.manifest import fsync_dir
+from hsx.export.files import atomic_write, inside
 
 GROUP = 2000  # files per rows_* directory, SpecForge's default --file-group-size
 INDEX = "hsx_index.jsonl"
@@ -61,34 +60,6 @@ class ExportSummary:
 def relative_path(index: int) -> Path:
     g = index // GROUP * GROUP
     return Path(f"rows_{g}-{g + GROUP}") / f"data_{index}.ckpt"
-
-
-def _atomic_write(path: Path, write) -> int:
-    """Write through ``write(file)`` to a temp file beside ``path``, fsync, rename; returns bytes."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        size = tmp.stat().st_size
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-    return size
-
-
-def _inside(dst: Path, path: Path) -> Path:
-    """``path`` (under ``dst``) with no symlink on the way: writes must stay inside DST."""
-    rel = path.relative_to(dst)
-    p = dst
-    for part in rel.parts:
-        p = p / part
-        if p.is_symlink():
-            raise HsxError(f"{p} is a symbolic link; refusing to write through it (export into a fresh directory)")
-    return path
 
 
 def _is_complete(path: Path, want: dict) -> bool:
@@ -182,7 +153,7 @@ def export_specforge(src: str | Path, dst: str | Path, *, draft_vocab_size: int 
         "draft_vocab_size": draft_vocab_size, "target_vocab_size": vocab_size, "target_vocab_size_from": vocab_from,
         "files_per_directory": GROUP,
     }
-    _atomic_write(info_path, lambda f: f.write(json.dumps(info, indent=1).encode()))
+    atomic_write(info_path, lambda f: f.write(json.dumps(info, indent=1).encode()))
     _clean_temps(dst)
 
     counts = torch.zeros(vocab_size, dtype=torch.int64)
@@ -204,13 +175,13 @@ def export_specforge(src: str | Path, dst: str | Path, *, draft_vocab_size: int 
         }
         rel = relative_path(i)
         path = dst / rel
-        _inside(dst, path.parent).mkdir(exist_ok=True)
-        _inside(dst, path)
+        inside(dst, path.parent).mkdir(exist_ok=True)
+        inside(dst, path)
         if path.exists() and _is_complete(path, record):
             skipped += 1
         else:
             replaced += path.exists()
-            nbytes += _atomic_write(path, lambda f: torch.save(record, f))
+            nbytes += atomic_write(path, lambda f: torch.save(record, f))
             written += 1
         t = len(record["input_ids"])
         tokens += t
@@ -219,8 +190,8 @@ def export_specforge(src: str | Path, dst: str | Path, *, draft_vocab_size: int 
                                        "shard_tokens": len(shard_sample.input_ids)}))
 
     d2t, t2d = vocab_mapping(counts, draft_vocab_size)
-    _inside(dst, dst / VOCAB.parent).mkdir(exist_ok=True)
-    vocab_path = _inside(dst, dst / VOCAB)
+    inside(dst, dst / VOCAB.parent).mkdir(exist_ok=True)
+    vocab_path = inside(dst, dst / VOCAB)
     old = None
     if vocab_path.exists():
         try:
@@ -228,10 +199,10 @@ def export_specforge(src: str | Path, dst: str | Path, *, draft_vocab_size: int 
         except Exception:
             old = None
     if not (isinstance(old, dict) and set(old) == {"d2t", "t2d"} and torch.equal(old["d2t"], d2t) and torch.equal(old["t2d"], t2d)):
-        _atomic_write(vocab_path, lambda f: torch.save({"d2t": d2t, "t2d": t2d}, f))
-    _atomic_write(_inside(dst, dst / INDEX), lambda f: f.write("".join(line + "\n" for line in index_lines).encode()))
+        atomic_write(vocab_path, lambda f: torch.save({"d2t": d2t, "t2d": t2d}, f))
+    atomic_write(inside(dst, dst / INDEX), lambda f: f.write("".join(line + "\n" for line in index_lines).encode()))
     total = int(counts.sum())
     coverage = float(counts[t2d].sum()) / total if total else 0.0
     info.update(complete=True, samples=len(ds), tokens=tokens, vocab_coverage=coverage)
-    _atomic_write(info_path, lambda f: f.write(json.dumps(info, indent=1).encode()))
+    atomic_write(info_path, lambda f: f.write(json.dumps(info, indent=1).encode()))
     return ExportSummary(str(dst), len(ds), written, skipped, replaced, tokens, nbytes, draft_vocab_size, vocab_size, coverage)

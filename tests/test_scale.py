@@ -159,7 +159,7 @@ def test_hsx_and_its_cli_import_without_ray():
             "    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "pip install 'hsx[ray]'" in out.stdout
+    assert "pip install ray (from a checkout: pip install -e '.[ray]')" in out.stdout
 
 
 @pytest.mark.slow

@@ -155,11 +155,34 @@ class _Pool:
         return bool(self.running or self.probes or self.due)
 
 
+LOST = object()  # unit_result's answer for a unit whose worker was lost
+
+
+def unit_result(ref, unit: Unit, worker: int, attempts: dict[int, int]):
+    """What ``unit``'s call ``ref`` on ``worker`` returned, or :data:`LOST` when the worker died (the
+    unit is to run again; ``attempts`` counts it). An error raised by the work itself, or a unit that
+    lost its worker ``MAX_ATTEMPTS`` times, stops the run."""
+    import ray
+    from ray.exceptions import RayActorError, RayTaskError
+
+    where = f"unit {unit.index} (rows {unit.rows[0]}..{unit.rows[-1]})"
+    try:
+        return ray.get(ref)
+    except RayTaskError as e:
+        cause = e.cause if isinstance(e.cause, HsxError) else e
+        raise HsxError(f"{where} failed on worker {worker}: {cause}") from None
+    except RayActorError as e:
+        attempts[unit.index] = attempts.get(unit.index, 0) + 1
+        if attempts[unit.index] >= MAX_ATTEMPTS:
+            raise HsxError(f"{where} lost its worker {attempts[unit.index]} times; last: {str(e).splitlines()[0]}") from None
+        return LOST
+
+
 def extract_ray(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool = True) -> RunSummary:
     try:
         import ray  # noqa: F401
     except ImportError:
-        raise HsxError("--ray needs Ray on every machine of the run: pip install 'hsx[ray]'") from None
+        raise HsxError("--ray needs Ray on every machine of the run: pip install ray (from a checkout: pip install -e '.[ray]')") from None
     cfg.validate()
     out = Path(cfg.output)
     with OutputLock(out):
@@ -201,7 +224,8 @@ def _drive(cfg: ExtractConfig, out: Path, overwrite: bool, progress: bool, t0: f
 def _schedule(out: Path, rows, units: list[Unit], pool: _Pool, manifest: Manifest, summary: RunSummary,
               progress: bool, t0: float) -> None:
     import ray
-    from ray.exceptions import ActorDiedError, RayActorError, RayTaskError
+    from ray.exceptions import ActorDiedError, RayActorError
+
     done = manifest.done_ids()
     queue: deque[Unit] = deque()
     for u in units:
@@ -246,16 +270,8 @@ def _schedule(out: Path, rows, units: list[Unit], pool: _Pool, manifest: Manifes
                         pool.probe(w)
                     continue
                 w, u = pool.running.pop(ref)
-                try:
-                    result = ray.get(ref)
-                except RayTaskError as e:
-                    cause = e.cause if isinstance(e.cause, HsxError) else e
-                    raise HsxError(f"unit {u.index} (rows {u.rows[0]}..{u.rows[-1]}) failed on worker {w}: {cause}") from None
-                except RayActorError as e:
-                    attempts[u.index] = attempts.get(u.index, 0) + 1
-                    if attempts[u.index] >= MAX_ATTEMPTS:
-                        raise HsxError(f"unit {u.index} (rows {u.rows[0]}..{u.rows[-1]}) lost its worker "
-                                       f"{attempts[u.index]} times; last: {str(e).splitlines()[0]}") from None
+                result = unit_result(ref, u, w, attempts)
+                if result is LOST:
                     summary.retried += 1
                     queue.appendleft(u)  # the next idle worker takes it; Ray restarts this one
                     pool.probe(w)

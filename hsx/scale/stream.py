@@ -18,7 +18,7 @@ from typing import Iterator
 from hsx.config import ExtractConfig
 from hsx.core import open_rows
 from hsx.errors import HsxError
-from hsx.scale.ray_runner import MAX_ATTEMPTS, connect, dataset_units, describe_workers, start_workers
+from hsx.scale.ray_runner import LOST, connect, dataset_units, describe_workers, start_workers, unit_result
 from hsx.scale.worker import decode_item
 
 
@@ -29,7 +29,7 @@ class RaySource:
         try:
             import ray  # noqa: F401
         except ImportError:
-            raise HsxError("a feed with ray = true needs Ray on every machine of the run: pip install 'hsx[ray]'") from None
+            raise HsxError("a feed with ray = true needs Ray on every machine of the run: pip install ray (from a checkout: pip install -e '.[ray]')") from None
         self.cfg, self.ahead_units = cfg, ahead_units
         self.actors: list = []
         self.retried = 0  # units sent to a worker again after theirs was lost
@@ -45,7 +45,6 @@ class RaySource:
 
     def items(self) -> Iterator:
         import ray
-        from ray.exceptions import RayActorError, RayTaskError
 
         waiting, running, done = deque(self.units), {}, {}  # running: ref -> (worker, unit); done: unit -> items
         idle = deque(range(len(self.actors)))
@@ -64,18 +63,12 @@ class RaySource:
                     (ref,), _ = ray.wait(list(running), num_returns=1)
                     w, u = running.pop(ref)
                     idle.append(w)  # a dead worker is restarted by Ray; calls to it wait until it is back
-                    try:
-                        done[u.index] = ray.get(ref)
-                    except RayTaskError as e:
-                        cause = e.cause if isinstance(e.cause, HsxError) else e
-                        raise HsxError(f"unit {u.index} (rows {u.rows[0]}..{u.rows[-1]}) failed on worker {w}: {cause}") from None
-                    except RayActorError as e:
-                        attempts[u.index] = attempts.get(u.index, 0) + 1
-                        if attempts[u.index] >= MAX_ATTEMPTS:
-                            raise HsxError(f"unit {u.index} (rows {u.rows[0]}..{u.rows[-1]}) lost its worker "
-                                           f"{attempts[u.index]} times; last: {str(e).splitlines()[0]}") from None
+                    result = unit_result(ref, u, w, attempts)
+                    if result is LOST:
                         waiting.appendleft(u)
                         self.retried += 1
+                    else:
+                        done[u.index] = result
                 for d in done.pop(index):
                     yield decode_item(d)
         finally:

@@ -168,7 +168,7 @@ def extract(
     eagle3_layer_ids: Annotated[Optional[str], _opt("EAGLE3 aux layer ids as a draft config gives them, e.g. 1,15,28 (default: the draft config's, else SGLang's [2, L//2, L-3] boundaries).")] = None,
     device: Annotated[str, _cfg("auto, cpu, cuda or cuda:N.")] = _D.device,
     model_dtype: Annotated[str, _cfg("Compute dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16.")] = _D.model_dtype,
-    compression: Annotated[str, _cfg("none or zstd (smaller, slower).")] = _D.compression,
+    compression: Annotated[str, _cfg("Hidden-state codec, all lossless: planes-zstd (byte planes + zstd, ~0.55x raw on SmolLM2 states), zstd, none (zero-copy reads).")] = _D.compression,
     max_shard_mb: Annotated[int, _cfg("Close a shard at about this size.")] = _D.max_shard_mb,
     max_shard_samples: Annotated[int, _cfg("Close a shard after this many samples.")] = _D.max_shard_samples,
     trust_remote_code: Annotated[bool, _opt("Allow model repositories to run their own code (off unless given).", "--trust-remote-code")] = False,

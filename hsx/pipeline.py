@@ -18,7 +18,8 @@ from hsx.errors import HsxError, SampleError, ShardError
 from hsx.shards.format import build_metadata, config_sha256
 from hsx.shards.lock import LOCK, OutputLock
 from hsx.shards.positions import sample_positions
-from hsx.shards.manifest import CONFIG, MANIFEST, Manifest, atomic_write_bytes, load_manifest, save_manifest
+from hsx.shards.manifest import (CONFIG, LEGACY_CONFIG, LEGACY_MANIFEST, MANIFEST, Manifest, atomic_write_bytes,
+                                 load_manifest, manifest_path, save_manifest)
 from hsx.shards.background import BackgroundSink
 from hsx.shards.writer import Record, ShardSink
 
@@ -102,7 +103,7 @@ def _prepare_output(out: Path, cfg: ExtractConfig, overwrite: bool) -> Manifest 
     An output whose manifest commits nothing yet (a run stopped before its first shard, e.g. by a
     dataset it could not read) holds nothing to lose: a new run replaces it without ``--overwrite``.
     """
-    if (out / MANIFEST).exists():
+    if manifest_path(out).exists():
         m = load_manifest(out)
         if m.config_hash == cfg.fingerprint() and not overwrite:
             return m
@@ -113,7 +114,7 @@ def _prepare_output(out: Path, cfg: ExtractConfig, overwrite: bool) -> Manifest 
         raise HsxError(f"{out} exists, is not empty and has no {MANIFEST}; refusing to write into it (use --overwrite)")
     if overwrite and out.exists():
         for p in out.iterdir():
-            if p.name in (MANIFEST, CONFIG) or p.name.startswith(("shard-", ".shard-", f".{MANIFEST}")):
+            if p.name in (MANIFEST, CONFIG, LEGACY_MANIFEST, LEGACY_CONFIG) or p.name.startswith(("shard-", ".shard-", f".{MANIFEST}", f".{LEGACY_MANIFEST}")):
                 p.unlink() if p.is_file() else shutil.rmtree(p)
     return None
 
@@ -176,6 +177,7 @@ def _run_metadata(cfg: ExtractConfig, engine, chat_template: str | None, dataset
         speculative=engine.describe_speculative(),
         dataset=dataset_meta,
         keep=cfg.keep,
+        codec=cfg.compression,
         sampling=sampling if cfg.mode == "generate" else None,
         config_hash=cfg.fingerprint(),
     )
@@ -313,7 +315,7 @@ def _extract_here(cfg: ExtractConfig, out: Path, overwrite: bool, progress: bool
 
     summary = RunSummary(str(out))
     # shards are encoded and written on a thread of their own, behind a bounded queue
-    sink = BackgroundSink(out, manifest, compression=cfg.compression, max_shard_bytes=cfg.max_shard_mb << 20,
+    sink = BackgroundSink(out, manifest, max_shard_bytes=cfg.max_shard_mb << 20,
                           max_shard_samples=cfg.max_shard_samples)
     bar = tqdm(total=len(rows), unit="sample", disable=not progress, dynamic_ncols=True)
     prompts = _pending_prompts(enumerate(rows), renderer, manifest.done_ids(), sink, summary, bar)

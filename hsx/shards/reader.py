@@ -21,7 +21,7 @@ import torch
 
 from hsx.errors import ShardError
 from hsx.shards import format as fmt
-from hsx.shards.manifest import MANIFEST, ErrorRecord, ShardEntry, bytes_checksum, load_manifest
+from hsx.shards.manifest import ErrorRecord, ShardEntry, bytes_checksum, load_manifest, manifest_path, shard_path
 from hsx.shards import positions
 from hsx.shards.readonly import read_only
 
@@ -52,6 +52,7 @@ class _Shard:
         self.cols = {name: _Column(table.column(name)) for name in table.column_names}
         self.dtypes = fmt.dtype_of(metadata["dtype"])
         self.widths = {g["name"]: g["width"] for g in metadata["layers"]}
+        self.cells = {g["name"]: fmt.Cells.of(metadata, g) for g in metadata["layers"]}
 
     def scalar(self, name: str, row: int):
         chunk, i = self.cols[name].locate(row)
@@ -68,14 +69,14 @@ class _Shard:
         if name not in self.widths:
             raise KeyError(f"{self.path.name}: no hidden-state column {name!r}; columns: {list(self.widths)}")
         chunk, i = self.cols[name].locate(row)
-        return fmt.rows_view(chunk, i, self.widths[name], self.dtypes)
+        return self.cells[name].sample(chunk, i)
 
     def num_rows(self, row: int) -> int:
         name = next(iter(self.widths), None)
         if name is None:
             return 0
         chunk, i = self.cols[name].locate(row)
-        return chunk.offsets[i + 1].as_py() - chunk.offsets[i].as_py()
+        return int(self.cells[name].rows(chunk.slice(i, 1))[0])
 
 
 def load_shard(path: Path, entry: ShardEntry | None) -> _Shard:
@@ -304,9 +305,9 @@ class ShardDataset:
             chunks = zip(s.cols[name].chunks, s.cols["input_ids"].chunks, s.cols["prompt_len"].chunks,
                          s.cols["loss_mask"].chunks, s.cols[name].starts)
             for chunk_h, chunk_ids, chunk_prompt, chunk_mask, base in chunks:
-                offs = chunk_h.offsets.to_numpy()
-                hidden.append(fmt.block_view(chunk_h.values, int(offs[0]), int(offs[-1]), width, dtype))
-                labels = row_labels(self.metadata, chunk_ids, chunk_prompt, chunk_mask, np.diff(offs), str(s.path))
+                cells = s.cells[name]
+                hidden.append(cells.block(chunk_h))
+                labels = row_labels(s.metadata, chunk_ids, chunk_prompt, chunk_mask, cells.rows(chunk_h), str(s.path))
                 owner.append(global_of[labels.owner + int(self._starts[k] + base)])
                 pos.append(labels.position)
                 tok.append(labels.token_id)
@@ -342,17 +343,17 @@ def open_shards(path: str | Path, cache_shards: int = 4) -> ShardDataset:
     path = Path(path)
     if path.is_dir():
         m = load_manifest(path)
-        paths = [path / s.file for s in m.shards]
+        paths = [shard_path(path, s.file) for s in m.shards]
         return ShardDataset(paths, list(m.shards), [s.samples for s in m.shards], m.metadata, m.errors, cache_shards,
                             _source_order(m.shards))
     if not path.exists():
         raise ShardError(f"{path}: no such file or directory")
     entry = None
-    if (path.parent / MANIFEST).exists():
+    if manifest_path(path.parent).exists():
         m = load_manifest(path.parent)
-        entry = next((s for s in m.shards if s.file == path.name), None)
+        entry = next((s for s in m.shards if shard_path(path.parent, s.file) == path), None)
         if entry is None:
-            raise ShardError(f"{path}: not listed in {path.parent / MANIFEST} (an uncommitted or stray file)")
+            raise ShardError(f"{path}: not listed in {manifest_path(path.parent)} (an uncommitted or stray file)")
     shard = load_shard(path, entry)
     ds = ShardDataset([path], [entry], [shard.table.num_rows], shard.metadata, (), cache_shards)
     ds._cache[0] = shard

@@ -52,6 +52,7 @@ class BackgroundSink:
     def __init__(self, directory: str | Path, manifest: Manifest, *, max_pending_bytes: int | None = None,
                  lanes: int = DEFAULT_LANES, **sink_options):
         self._sink = ShardSink(directory, manifest, lanes=lanes, **sink_options)
+        self.lanes = lanes
         self.max_pending_bytes = 2 * self._sink.row_group_bytes if max_pending_bytes is None else max_pending_bytes
         self.stats = WriterStats()
         self._cond = threading.Condition()
@@ -152,9 +153,16 @@ class BackgroundSink:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._ops:
-                    self._cond.wait()
-                op, nbytes, stop = self._ops.popleft()
+                idle = not self._ops
+            queued = not (idle and self._sink.in_flight())
+            if not queued:
+                # nothing queued: finish the lanes' writes, so that a failure surfaces now
+                op, nbytes, stop = self._sink.drain, 0, False
+            else:
+                with self._cond:
+                    while not self._ops:
+                        self._cond.wait()
+                    op, nbytes, stop = self._ops.popleft()
             t0 = time.perf_counter()
             try:
                 op()
@@ -164,7 +172,7 @@ class BackgroundSink:
             self.stats.busy_s += time.perf_counter() - t0
             with self._cond:
                 self._pending_bytes -= nbytes
-                self._done += 1
+                self._done += queued
                 if error is not None:
                     self._fail(error)
                 self._cond.notify_all()

@@ -319,6 +319,15 @@ class ShardSink:
         except OSError as e:
             self._fail(lane, e)
 
+    def in_flight(self) -> bool:
+        """Whether a lane is still writing a row group."""
+        return any(lane.pending is not None for lane in self.lanes)
+
+    def drain(self) -> None:
+        """Wait for every lane's row group in flight; a failed write raises here."""
+        for lane in self.lanes:
+            self._wait(lane)
+
     def _wait(self, lane: _Lane) -> None:
         if lane.pending is not None:
             pending, lane.pending = lane.pending, None

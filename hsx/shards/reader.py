@@ -43,6 +43,10 @@ class _Column:
         k = int(np.searchsorted(self.starts, row, side="right")) - 1
         return self.chunks[k], row - int(self.starts[k])
 
+    def chunk_of(self, row: int) -> tuple[int, int]:
+        k = int(np.searchsorted(self.starts, row, side="right")) - 1
+        return k, row - int(self.starts[k])
+
 
 class _Shard:
     def __init__(self, path: Path, table: pa.Table, metadata: dict):
@@ -53,6 +57,7 @@ class _Shard:
         self.dtypes = fmt.dtype_of(metadata["dtype"])
         self.widths = {g["name"]: g["width"] for g in metadata["layers"]}
         self.cells = {g["name"]: fmt.Cells.of(metadata, g) for g in metadata["layers"]}
+        self._blocks: dict[tuple[str, int], tuple[torch.Tensor, np.ndarray]] = {}  # decoded planes, per chunk
 
     def scalar(self, name: str, row: int):
         chunk, i = self.cols[name].locate(row)
@@ -68,8 +73,23 @@ class _Shard:
     def hidden(self, name: str, row: int) -> torch.Tensor:
         if name not in self.widths:
             raise KeyError(f"{self.path.name}: no hidden-state column {name!r}; columns: {list(self.widths)}")
-        chunk, i = self.cols[name].locate(row)
-        return self.cells[name].sample(chunk, i)
+        k, i = self.cols[name].chunk_of(row)
+        block, starts = self.block(name, k)
+        return block[int(starts[i]):int(starts[i + 1])]
+
+    def block(self, name: str, k: int) -> tuple[torch.Tensor, np.ndarray]:
+        """Chunk ``k`` of a hidden column as one ``[R, W]`` tensor and its samples' row offsets.
+
+        Rows layout: a view of the Arrow buffer. Planes: decoded once, then kept with the shard,
+        so that every sample of the chunk is a view of the same memory.
+        """
+        got = self._blocks.get((name, k))
+        if got is None:
+            chunk, cells = self.cols[name].chunks[k], self.cells[name]
+            got = cells.block(chunk), np.concatenate([[0], np.cumsum(cells.rows(chunk))])
+            if cells.planes:
+                self._blocks[(name, k)] = got
+        return got
 
     def num_rows(self, row: int) -> int:
         name = next(iter(self.widths), None)
@@ -304,10 +324,10 @@ class ShardDataset:
             s = self._shard(k)
             chunks = zip(s.cols[name].chunks, s.cols["input_ids"].chunks, s.cols["prompt_len"].chunks,
                          s.cols["loss_mask"].chunks, s.cols[name].starts)
-            for chunk_h, chunk_ids, chunk_prompt, chunk_mask, base in chunks:
-                cells = s.cells[name]
-                hidden.append(cells.block(chunk_h))
-                labels = row_labels(s.metadata, chunk_ids, chunk_prompt, chunk_mask, cells.rows(chunk_h), str(s.path))
+            for c, (chunk_h, chunk_ids, chunk_prompt, chunk_mask, base) in enumerate(chunks):
+                block, starts = s.block(name, c)
+                hidden.append(block)
+                labels = row_labels(s.metadata, chunk_ids, chunk_prompt, chunk_mask, np.diff(starts), str(s.path))
                 owner.append(global_of[labels.owner + int(self._starts[k] + base)])
                 pos.append(labels.position)
                 tok.append(labels.token_id)

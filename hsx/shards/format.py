@@ -172,8 +172,7 @@ class Cells:
             rows = p.shape[0]
             raw = p.contiguous().view(torch.uint8).numpy().reshape(rows, self.row_bytes) if rows else np.zeros((0, self.row_bytes), np.uint8)
             if self.planes:
-                # [rows * W, itemsize] -> [itemsize, rows * W]: byte k of every value, in row-major order
-                data = np.ascontiguousarray(raw.reshape(-1, self.itemsize).T)
+                data = _split(raw.reshape(-1).view(_UINT[self.itemsize]), self.itemsize)  # [itemsize, rows * W]
                 values, lengths = self.itemsize, rows * self.width
             else:
                 data, values, lengths = raw, rows, self.row_bytes
@@ -234,16 +233,35 @@ class Cells:
         rows = self.rows(column)
         if not rows.sum():
             return read_only(torch.empty((0, self.width), dtype=self.dtype))
-        out = np.empty((int(rows.sum()) * self.width, self.itemsize), np.uint8)
+        out = np.empty(int(rows.sum()) * self.width, _UINT[self.itemsize])
         at = 0
         for j, n in enumerate(rows):
             if not n:
                 continue
             first = int(value_offs[offs[j]])
             planes = np.frombuffer(data, np.uint8, count=self.itemsize * n * self.width, offset=first)
-            out[at:at + n * self.width] = planes.reshape(self.itemsize, -1).T
+            _join(planes.reshape(self.itemsize, -1), out[at:at + n * self.width])
             at += n * self.width
-        return read_only(torch.from_numpy(out).view(self.dtype).view(-1, self.width))
+        return read_only(torch.from_numpy(out.view(np.uint8)).view(self.dtype).view(-1, self.width))
+
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+
+def _split(values: np.ndarray, itemsize: int) -> np.ndarray:
+    """Unsigned integers [n] -> their byte planes [itemsize, n], little-endian byte k in plane k."""
+    planes = np.empty((itemsize, len(values)), np.uint8)
+    for k in range(itemsize):
+        planes[k] = values >> (8 * k) if k else values  # assignment casts to uint8: keeps byte k
+    return planes
+
+
+def _join(planes: np.ndarray, out: np.ndarray) -> None:
+    """Byte planes [itemsize, n] -> unsigned integers [n] in ``out`` (the inverse of :func:`_split`)."""
+    out[:] = planes[-1]
+    for k in range(len(planes) - 2, -1, -1):
+        out <<= 8
+        out |= planes[k]
 
 
 def column_rows(column: pa.ChunkedArray, metadata: Mapping, group: Mapping) -> np.ndarray:

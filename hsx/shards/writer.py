@@ -135,7 +135,8 @@ class ShardWriter:
             column_encoding=encoding,
             write_statistics=["source_index", "prompt_len", "verify_steps"],
             write_page_checksum=True,
-            data_page_size=1 << 20,
+            # 8 MiB pages: zstd sees more of the planes at once (SmolLM2 eagle3: 1.78x smaller, 1.65x with 1 MiB)
+            data_page_size=8 << 20,
         )
 
     def write(self, records: Sequence[Record]) -> None:

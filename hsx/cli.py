@@ -187,12 +187,14 @@ def extract(
                                            is_eager=True, callback=_load_required)] = None,
     overwrite: Annotated[bool, _opt("Replace an existing output written with a different configuration.")] = False,
     quiet: Annotated[bool, _opt("No progress bar.", "--quiet", "-q")] = False,
+    dry_run: Annotated[bool, _opt("Write nothing: print the tokens, bytes on disk and shards the run would write "
+                                  "(the model's config and tokenizer and the dataset only; no forward).", "--dry-run")] = False,
 ) -> None:
     """Extract per-token hidden states from a dataset into aligned shards (resumes an interrupted run)."""
     # Only options given on the command line override the config file (defaults shown in --help are
     # ExtractConfig's own, and the file's values win over them).
     given = {k for k in ctx.params if getattr(ctx.get_parameter_source(k), "name", None) == "COMMANDLINE"}
-    overrides = {k: v for k, v in locals().items() if k in given and k not in ("config", "overwrite", "quiet")}
+    overrides = {k: v for k, v in locals().items() if k in given and k not in ("config", "overwrite", "quiet", "dry_run")}
     engine_args = _engine_args(tp_size, dp_size, mem_fraction, attention_backend, engine_arg)
     for name in ("tp_size", "dp_size", "mem_fraction", "attention_backend", "engine_arg"):
         overrides.pop(name, None)
@@ -210,6 +212,12 @@ def extract(
     if ray_address is not None:
         overrides["ray"] = True
     cfg = base.merged(overrides)
+    if dry_run:
+        from hsx.estimate import estimate
+
+        for line in estimate(cfg).lines():
+            typer.echo(line)
+        return
     summary = run_extract(cfg, overwrite=overwrite, progress=not quiet)
     typer.echo(format_run(summary))
 

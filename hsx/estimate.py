@@ -19,10 +19,10 @@ from hsx.shards.format import itemsize
 
 # Compressed / raw bytes of the hidden columns, per codec, measured on SmolLM2-135M-Instruct states
 # (final,eagle3 in bf16, the demo chats in prefill; scripts/bench_format.py, docs/STORAGE.md).
-CODEC_RATIO = {"none": 1.0, "zstd": 0.647, "planes-zstd": 0.56}
+CODEC_RATIO = {"none": 1.0, "zstd": 0.62, "planes-zstd": 0.557}
 RATIO_SOURCE = "SmolLM2-135M final+eagle3 bf16, demo chats (docs/STORAGE.md)"
-# input_ids (int32), loss_mask (uint8) and positions (int32), zstd: measured ~3 bytes a token
-BASE_BYTES_PER_TOKEN = 3.0
+# the base columns (input_ids, loss_mask, positions, zstd) and the Parquet footers: 5.2 bytes a token measured
+BASE_BYTES_PER_TOKEN = 5.2
 
 
 @dataclass

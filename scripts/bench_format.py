@@ -428,10 +428,12 @@ def print_report(r: dict) -> None:
         print(f"WARNING: load average {load:.1f} on {cpus} CPUs when the run started: other processes share the CPUs, "
               "so timings are noisy (best-of-N reduces, not removes, this).")
     print(f"checksums of one element per sample agree across full-data methods: {r['checksums_agree']}")
-    print(f"\n{'data kind':<44}{'samples':>8}{'raw MB':>8}{'hsx x raw':>11}{'zstd x raw':>12}{'zstd smaller by':>17}{'zstd write MB/s':>17}")
+    print(f"\n{'data kind':<44}{'samples':>8}{'raw MB':>8}{'hsx x raw':>11}{'zstd x raw':>12}{'zstd smaller by':>17}"
+          f"{'zstd write MB/s':>17}{'planes x raw':>14}")
     for c in r["compression"]:
         print(f"{c['kind']:<44}{c['samples']:>8}{c['raw_mb']:>8.1f}{c['hsx_ratio_to_raw']:>11.3f}"
-              f"{c['zstd_ratio_to_raw']:>12.3f}{c['zstd_smaller_by']:>16.3f}x{c['zstd_write_mb_s']:>17.0f}")
+              f"{c['zstd_ratio_to_raw']:>12.3f}{c['zstd_smaller_by']:>16.3f}x{c['zstd_write_mb_s']:>17.0f}"
+              f"{c['planes_ratio_to_raw']:>14.3f}")
     print()
     for t in r["targets"]:
         print(f"{'PASS' if t['pass'] else 'FAIL'}  {t['target']}: {t['value']:.3f} (needs {t['op']} {t['threshold']})")

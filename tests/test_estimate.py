@@ -12,7 +12,7 @@ from hsx.cli import app
 from hsx.config import ExtractConfig
 from hsx.demo.models import build_tiny_llama
 from hsx.demo.tokenizer import build_demo_tokenizer
-from hsx.estimate import CODEC_RATIO, estimate
+from hsx.estimate import BASE_BYTES_PER_TOKEN, CODEC_RATIO, estimate
 from hsx.shards.manifest import load_manifest
 
 torch.set_num_threads(1)
@@ -66,4 +66,4 @@ def test_dry_run_in_generate_mode_is_an_upper_bound(setup, tmp_path):
                                     "--quiet"]).exit_code == 0
     m = load_manifest(tmp_path / "out")
     assert sum(s.tokens for s in m.shards) <= est.tokens and sum(s.rows for s in m.shards) <= est.rows
-    assert est.bytes == int(est.raw_bytes * CODEC_RATIO["planes-zstd"] + 3.0 * est.tokens)
+    assert est.bytes == int(est.raw_bytes * CODEC_RATIO["planes-zstd"] + BASE_BYTES_PER_TOKEN * est.tokens)

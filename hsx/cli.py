@@ -24,7 +24,7 @@ app = typer.Typer(
 export_app = typer.Typer(help="Write shards in another tool's layout.", no_args_is_help=True)
 app.add_typer(export_app, name="export")
 
-PathArg = Annotated[Path, typer.Argument(help="An hsx output directory (with manifest.json) or one shard file.")]
+PathArg = Annotated[Path, typer.Argument(help="An hsx output directory (with its manifest) or one shard file.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 _D = ExtractConfig()  # the one source of the defaults --help shows
 

@@ -1,4 +1,4 @@
-"""Shard format v1: writer, manifest, reader, verification."""
+"""The shard format: writer, manifest, reader, verification (docs/FORMAT.md)."""
 
 from hsx.shards.background import BackgroundSink
 from hsx.shards.format import FORMAT_VERSION, build_metadata

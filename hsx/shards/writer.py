@@ -210,7 +210,7 @@ def shard_name(index: int) -> str:
 SHARD_NAME = re.compile(r"shard-(\d{5})\.parquet")
 
 
-@dataclass
+@dataclass(eq=False)  # lanes are told apart by identity (two empty lanes are not the same lane)
 class _Lane:
     """One shard being written: its writer, what it holds, and the row group in flight on its thread."""
 

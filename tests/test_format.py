@@ -19,6 +19,7 @@ from hsx.shards import load_manifest
 from hsx.shards.format import FORMAT_VERSION, METADATA_CHECKSUM_KEY, METADATA_KEY
 from hsx.shards.manifest import LEGACY_MANIFEST, MANIFEST, file_checksum, save_manifest
 from hsx.shards import Manifest, ShardSink
+from hsx.shards.verify import verify
 from shard_fixtures import bits, finite_records, make_metadata, random_records, write_sink
 
 torch.set_num_threads(1)
@@ -242,3 +243,22 @@ def test_plain_readers_read_the_output_directory_and_only_committed_shards(tmp_p
     for r, s in zip(records, hsx.open(d)):
         assert df.loc[r.sample_id, "positions"].tolist() == s.positions.tolist()
         assert np.array_equal(hsx.decode(df.loc[r.sample_id, "l0"], 4), bits(r.hidden["l0"]).numpy().view(np.uint16))
+
+
+def test_a_shard_committed_but_not_yet_renamed_is_read_and_renamed_by_the_next_sink(tmp_path):
+    meta = make_metadata([4], "bfloat16", "prefill")
+    records = finite_records(meta, [3, 5, 2, 4], seed=6)
+    d = tmp_path / "out"
+    m = write_sink(d, meta, records, max_shard_samples=2)
+    # a crash between the manifest's save and the rename: the committed shard is still staged
+    (d / "shard-00001.parquet").rename(d / ".shard-00001.parquet.part")
+    ds = hsx.open(d)
+    assert ds.sample_ids == [r.sample_id for r in records]
+    for r, s in zip(records, ds):
+        assert torch.equal(bits(s.hidden("l0")), bits(r.hidden["l0"]))
+    assert verify(d).ok
+    assert sorted(_plain_readers(d)["pyarrow"]) == sorted(r.sample_id for r in records[:2])  # not yet visible
+    ShardSink(d, load_manifest(d)).close()  # the next run's sink renames it first
+    assert (d / "shard-00001.parquet").exists() and not (d / ".shard-00001.parquet.part").exists()
+    assert _plain_readers(d)["pandas"] == sorted(r.sample_id for r in records)
+    assert [e.file for e in load_manifest(d).shards] == [e.file for e in m.shards]

@@ -216,7 +216,6 @@ def _plain_readers(d: Path) -> dict[str, list[str]]:
 @pytest.mark.parametrize("keep", ["all", "loss"])
 def test_plain_readers_read_the_output_directory_and_only_committed_shards(tmp_path, keep, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
-    from hsx.shards.format import build_metadata
 
     meta = {**make_metadata([4], "bfloat16", "generate"), "keep": keep}
     records = finite_records(meta, [5, 3, 6, 4, 7], seed=2)

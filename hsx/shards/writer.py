@@ -27,7 +27,7 @@ import torch
 from hsx.errors import ShardError
 from hsx.shards import format as fmt
 from hsx.shards import positions
-from hsx.shards.manifest import (ErrorRecord, Manifest, ShardEntry, file_checksum, fsync_dir, publish, save_manifest,
+from hsx.shards.manifest import (ErrorRecord, Manifest, ShardEntry, file_checksum, publish, save_manifest,
                                  staged_name)
 
 DEFAULT_LANES = min(4, os.cpu_count() or 1)  # BackgroundSink's lanes: the pipeline's parallel shard writers

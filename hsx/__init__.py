@@ -1,10 +1,37 @@
-"""hsx: per-token hidden states from speculative decoding engines, aligned and stored as Parquet shards."""
+"""hsx: per-token hidden states from speculative decoding engines, aligned and stored as Parquet shards.
+
+From Python::
+
+    import hsx
+    cfg = hsx.ExtractConfig(model=..., dataset=..., output="out")
+    summary = hsx.extract(cfg, progress=False)  # progress=False: the CLI's --quiet
+    ds = hsx.open("out")
+
+``import hsx`` loads nothing heavy: ``extract``, ``ExtractConfig`` and the subpackages
+(``hsx.pipeline``, ``hsx.recompute``, ``hsx.analysis``, ...) are imported on first use.
+"""
+
+from importlib import import_module
 
 __version__ = "0.1.0"
 
 from hsx.errors import AlignmentError, HsxError, SampleError, ShardError  # noqa: E402
 
-__all__ = ["__version__", "HsxError", "AlignmentError", "SampleError", "ShardError", "open", "tokens_loader", "decode"]
+__all__ = ["__version__", "HsxError", "AlignmentError", "SampleError", "ShardError", "open", "stream", "tokens_loader", "decode"]
+
+# name -> the module that defines it, imported when the name is first used
+_LAZY = {"extract": "hsx.pipeline", "RunSummary": "hsx.pipeline", "ExtractConfig": "hsx.config"}
+SUBMODULES = ("align", "analysis", "config", "core", "data", "demo", "eagle3", "engine", "export", "feed", "output", "pipeline",
+              "recompute", "report", "scale", "shards")
+__all__ += list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    if name in SUBMODULES:
+        return import_module(f"hsx.{name}")
+    raise AttributeError(f"module 'hsx' has no attribute {name!r}")
 
 
 def open(path, **kwargs):  # noqa: A001 - the public name is hsx.open
@@ -19,6 +46,14 @@ def tokens_loader(path, columns=None, where="all", batch_size=1024, shuffle_buff
     from hsx.shards.loader import tokens_loader as make
 
     return make(path, columns, where, batch_size, shuffle_buffer, seed, **kwargs)
+
+
+def stream(config, **kwargs):
+    """Run ``config`` (an ExtractConfig, a dict or a config file) and yield its aligned samples as they
+    come, with no shards; see :class:`hsx.feed.Feed` (``ahead``, ``ordered``, ``progress``)."""
+    from hsx.feed import Feed
+
+    return Feed(config, **kwargs)
 
 
 def decode(cell, width, dtype="bfloat16", codec="planes-zstd"):

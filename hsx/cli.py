@@ -13,6 +13,7 @@ import typer
 
 from hsx.config import ExtractConfig
 from hsx.errors import HsxError
+from hsx.report import quiet_libraries
 
 app = typer.Typer(
     name="hsx",
@@ -20,12 +21,19 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # click's plain help: wraps to the terminal's width (COLUMNS; click alone stops at 80) without
+    # cutting option names, and reads help text as text (rich markup would eat "[ray]")
+    rich_markup_mode=None,
+    context_settings={"max_content_width": 400},
 )
-export_app = typer.Typer(help="Write shards in another tool's layout.", no_args_is_help=True)
+export_app = typer.Typer(help="Write shards in another tool's layout.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(export_app, name="export")
 
 PathArg = Annotated[Path, typer.Argument(help="An hsx output directory (with its manifest) or one shard file.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors (and the report).")]
+Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Also show the libraries' own progress bars, "
+                                       "info lines and warnings.")]
 _D = ExtractConfig()  # the one source of the defaults --help shows
 
 
@@ -69,7 +77,8 @@ def verify(
     batch_size: Annotated[int, _opt("--recompute: samples per forward (default 8).")] = 8,
     rtol: Annotated[Optional[float], _opt("--recompute: per-row relative error limit (default: by stored and compute dtypes, see docs/RECOMPUTE.md).")] = None,
     trust_remote_code: Annotated[bool, _opt("--recompute: allow the model repository to run its own code.", "--trust-remote-code")] = False,
-    quiet: Annotated[bool, _opt("No progress bar.", "--quiet", "-q")] = False,
+    quiet: Quiet = False,
+    verbose: Verbose = False,
 ) -> None:
     """Check manifest vs files, checksums, schema, alignment row counts and NaN/Inf; with --recompute, every
     row against an independent forward of the model. Exit 1 on any fault."""
@@ -78,11 +87,19 @@ def verify(
     from hsx.report import format_recompute, format_verify
     from hsx.shards.verify import verify as verify_shards
 
+    quiet_libraries(verbose)
     report = verify_shards(path)
     checked = None
     if recompute and report.ok:
+        from hsx import open as hsx_open
+        from hsx.preflight import model_config
         from hsx.recompute import recompute as run_recompute
 
+        # the forward reads stored token ids: no tokenizer needed
+        recorded = None if model else (hsx_open(path).metadata.get("model") or {}).get("path")
+        if model or recorded:
+            model_config(model or recorded, "--model" if model else "the shards' model (another copy: --model)",
+                         tokenizer=False)
         checked = run_recompute(path, model=model, device=device, dtype=model_dtype, samples=samples, seed=seed,
                                 batch_size=batch_size, rtol=rtol, force=force, trust_remote_code=trust_remote_code,
                                 progress=not quiet and not as_json)
@@ -138,10 +155,10 @@ def _engine_args(tp_size, dp_size, mem_fraction, attention_backend, pairs) -> di
 @app.command()
 def extract(
     ctx: typer.Context,
-    model: Annotated[str, _opt("Target model: a local path (or hub id where a hub is reachable); or model in --config.")],
+    model: Annotated[str, _opt("Target model: a model directory (config.json, weights, tokenizer files), or a hub id (name or org/name, from the hub or its local cache); or model in --config.")],
     dataset: Annotated[str, _opt("A local json/jsonl/parquet/csv file, a saved dataset directory, or a hub name; or dataset in --config.")],
     output: Annotated[str, _opt("Output directory for shards and manifest; or output in --config.", "--output", "-o")],
-    draft_model: Annotated[Optional[str], _opt("Draft model for speculative decoding (shares the tokenizer).")] = None,
+    draft_model: Annotated[Optional[str], _opt("Draft model for speculative decoding, named as --model (shares its tokenizer).")] = None,
     engine: Annotated[str, _cfg("Engine: hf (transformers, CPU or GPU) or sglang.")] = _D.engine,
     mode: Annotated[str, _cfg("generate: prompt + completion; prefill: teacher-forced over whole conversations.")] = _D.mode,
     layers: Annotated[str, _cfg("Comma-separated layer groups: final, eagle3, boundary numbers (0 = embeddings, L = last block before the norm).")] = _D.layers,
@@ -168,7 +185,7 @@ def extract(
     eagle3_layer_ids: Annotated[Optional[str], _opt("EAGLE3 aux layer ids as a draft config gives them, e.g. 1,15,28 (default: the draft config's, else SGLang's [2, L//2, L-3] boundaries).")] = None,
     device: Annotated[str, _cfg("auto, cpu, cuda or cuda:N.")] = _D.device,
     model_dtype: Annotated[str, _cfg("Compute dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16.")] = _D.model_dtype,
-    compression: Annotated[str, _cfg("Hidden-state codec, all lossless: planes-zstd (byte planes + zstd, ~0.55x raw on SmolLM2 states), zstd, none (zero-copy reads).")] = _D.compression,
+    compression: Annotated[str, _cfg("Hidden-state codec, all lossless: planes-zstd (byte planes + zstd, ~0.56x raw on SmolLM2 states), zstd, none (zero-copy reads).")] = _D.compression,
     max_shard_mb: Annotated[int, _cfg("Close a shard at about this size.")] = _D.max_shard_mb,
     max_shard_samples: Annotated[int, _cfg("Close a shard after this many samples.")] = _D.max_shard_samples,
     trust_remote_code: Annotated[bool, _opt("Allow model repositories to run their own code (off unless given).", "--trust-remote-code")] = False,
@@ -185,8 +202,9 @@ def extract(
     unit_size: Annotated[Optional[int], _opt("--ray: source rows per work unit, a multiple of --window (default 32 batches).")] = None,
     config: Annotated[Optional[Path], _opt("A TOML or JSON file with any of these options (command-line options win).",
                                            is_eager=True, callback=_load_required)] = None,
-    overwrite: Annotated[bool, _opt("Replace an existing output written with a different configuration.")] = False,
-    quiet: Annotated[bool, _opt("No progress bar.", "--quiet", "-q")] = False,
+    overwrite: Annotated[bool, _opt("Replace an existing output written with a different configuration.", "--overwrite")] = False,
+    quiet: Annotated[bool, _opt("Print nothing but errors: no progress bar, no summary.", "--quiet", "-q")] = False,
+    verbose: Verbose = False,
     dry_run: Annotated[bool, _opt("Write nothing: print the tokens, bytes on disk and shards the run would write "
                                   "(the model's config and tokenizer and the dataset only; no forward).", "--dry-run")] = False,
 ) -> None:
@@ -194,13 +212,10 @@ def extract(
     # Only options given on the command line override the config file (defaults shown in --help are
     # ExtractConfig's own, and the file's values win over them).
     given = {k for k in ctx.params if getattr(ctx.get_parameter_source(k), "name", None) == "COMMANDLINE"}
-    overrides = {k: v for k, v in locals().items() if k in given and k not in ("config", "overwrite", "quiet", "dry_run")}
+    overrides = {k: v for k, v in locals().items() if k in given and k not in ("config", "overwrite", "quiet", "verbose", "dry_run")}
     engine_args = _engine_args(tp_size, dp_size, mem_fraction, attention_backend, engine_arg)
     for name in ("tp_size", "dp_size", "mem_fraction", "attention_backend", "engine_arg"):
         overrides.pop(name, None)
-    from hsx.pipeline import extract as run_extract
-    from hsx.report import format_run
-
     if eagle3_layer_ids is not None:
         try:
             overrides["eagle3_layer_ids"] = [int(x) for x in eagle3_layer_ids.split(",")]
@@ -212,14 +227,29 @@ def extract(
     if ray_address is not None:
         overrides["ray"] = True
     cfg = base.merged(overrides)
+    quiet_libraries(verbose)
     if dry_run:
         from hsx.estimate import estimate
 
         for line in estimate(cfg).lines():
             typer.echo(line)
         return
-    summary = run_extract(cfg, overwrite=overwrite, progress=not quiet)
-    typer.echo(format_run(summary))
+    try:
+        from hsx.preflight import check_extract
+
+        check_extract(cfg, overwrite)  # before torch is imported: a mistake costs a second, not a model load
+        from hsx.pipeline import extract as run_extract
+
+        summary = run_extract(cfg, overwrite=overwrite, progress=not quiet)
+    except KeyboardInterrupt:
+        from hsx.report import format_interrupted
+
+        typer.echo(format_interrupted(cfg.output), err=True)
+        raise typer.Exit(130) from None
+    if not quiet:
+        from hsx.report import format_run
+
+        typer.echo(format_run(summary))
 
 
 @export_app.command("specforge")
@@ -228,15 +258,64 @@ def export_specforge(
     dst: Annotated[Path, typer.Argument(help="Output directory for SpecForge's offline EAGLE3 layout.")],
     draft_vocab_size: Annotated[Optional[int], _opt("Draft vocabulary size for vocab_mapping.pt (default: the draft config's, else the whole target vocabulary).")] = None,
     draft_config: Annotated[Optional[Path], _opt("The draft's config.json (or its directory): checked against the shards' widths and eagle3 layers.")] = None,
-    quiet: Annotated[bool, _opt("No progress bar.", "--quiet", "-q")] = False,
+    quiet: Quiet = False,
+    verbose: Verbose = False,
 ) -> None:
     """Write SpecForge offline EAGLE3 files (rows_*/data_*.ckpt, vocab_mapping/vocab_mapping.pt); resumable."""
+    quiet_libraries(verbose)
     from hsx.eagle3.export import export_specforge as run_export
 
     s = run_export(src, dst, draft_vocab_size=draft_vocab_size, draft_config=draft_config, progress=not quiet)
     typer.echo(f"{s.dst}: {s.samples} samples, {s.tokens:,} tokens; {s.written} file(s) written "
                f"({s.replaced} replaced), {s.skipped} already complete; draft vocab {s.draft_vocab_size} of "
                f"{s.target_vocab_size} covers {s.vocab_coverage:.1%} of learned tokens")
+
+
+def _int_list(text: Optional[str], option: str) -> Optional[list[int]]:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        _fail(f"{option} must be comma-separated integers, got {text!r}")
+
+
+@export_app.command("speculators")
+def export_speculators(
+    src: PathArg,
+    dst: Annotated[Path, typer.Argument(help="Output directory: speculators' --data-path (dataset + hidden_states/).")],
+    target_layer_ids: Annotated[Optional[str], _opt("Aux boundaries, vLLM's target_layer_ids (block inputs = hsx boundaries), e.g. 2,15,27 (default: the eagle3 column's). Boundary L is always added last.")] = None,
+    quiet: Annotated[bool, _opt("No progress bar.", "--quiet", "-q")] = False,
+) -> None:
+    """Write speculators' offline EAGLE3 data (hidden_states/hs_*.safetensors + its Arrow dataset); resumable."""
+    from hsx.export import export_speculators as run_export
+
+    ids = _int_list(target_layer_ids, "--target-layer-ids")
+    s = run_export(src, dst, target_layer_ids=ids, progress=not quiet)
+    typer.echo(f"{s.dst}: {s.samples} samples, {s.tokens:,} tokens; {s.written} file(s) written, {s.kept} already "
+               f"complete, {s.skipped_short} sample(s) under 2 tokens skipped; train with --target-layer-ids "
+               f"{' '.join(map(str, s.target_layer_ids))}")
+
+
+@export_app.command("saelens")
+def export_saelens(
+    src: PathArg,
+    dst: Annotated[Path, typer.Argument(help="Output directory: SAELens' cached_activations_path.")],
+    column: Annotated[str, _opt("The boundary to export (b5 or 5, wherever it is stored) or final.")],
+    context_size: Annotated[int, _opt("Tokens per context (SAELens' context_size).")],
+    hook_name: Annotated[Optional[str], _opt("Column name (default: TransformerLens' hook for the boundary, e.g. blocks.5.hook_resid_pre).")] = None,
+    dtype: Annotated[str, _opt("float32 (exact for every stored dtype) or float16.")] = "float32",
+    concat: Annotated[bool, _opt("Pack samples back to back (default) or one context per sample (--no-concat).", "--concat/--no-concat")] = True,
+    quiet: Annotated[bool, _opt("No progress bar.", "--quiet", "-q")] = False,
+) -> None:
+    """Write one column as SAELens cached activations (a save_to_disk dataset of fixed contexts)."""
+    from hsx.export import export_saelens as run_export
+
+    s = run_export(src, dst, column=column, context_size=context_size, hook_name=hook_name, dtype=dtype,
+                   concat=concat, progress=not quiet)
+    state = "already complete, left as it is" if s.skipped else f"{s.bytes_written:,} bytes written"
+    typer.echo(f"{s.dst}: {s.contexts} contexts x {s.context_size} tokens of {s.hook_name} (d_in {s.d_in}); "
+               f"{s.dropped_tokens} token(s) dropped (last partial context / short samples); {state}")
 
 
 def main() -> None:

@@ -16,8 +16,18 @@ from hsx.shards.positions import check_rule
 Mode = Literal["generate", "prefill"]
 
 
+# options of one run of the command, not of what it extracts (they stay out of the config hash)
+RUN_OPTIONS = {"quiet": "progress=False", "overwrite": "overwrite=True"}
+
+
 @dataclass
 class ExtractConfig:
+    """What an extraction produces: the model, the data, what to capture and how to decode.
+
+    How a run reports or replaces output is not part of it: the CLI's ``--quiet`` and
+    ``--overwrite`` are ``hsx.extract(cfg, progress=False, overwrite=True)`` from Python.
+    """
+
     # what to run
     model: str = ""
     draft_model: str | None = None
@@ -69,16 +79,17 @@ class ExtractConfig:
 
     # Fields that change neither which samples exist nor their values: a resumed run may differ in them.
     # (The batching fields are among them: they change a row's bits, within the engines' tolerance,
-    # never which samples exist; a window is re-run whole on resume, see pipeline.run_prompts.)
+    # never which samples exist; a window is re-run whole on resume, see hsx.core.results.)
     _LAYOUT_ONLY = ("output", "limit", "batch_size", "max_batch_tokens", "window", "max_shard_mb", "max_shard_samples",
                     "ray", "ray_address", "num_workers", "cpus_per_worker", "gpus_per_worker", "unit_size")
 
-    def validate(self) -> "ExtractConfig":
+    def validate(self, *, output: bool = True) -> "ExtractConfig":
+        """Refuse a config no run can start from; ``output=False``: one that writes nothing (the online feed)."""
         if not self.model:
             raise HsxError("no model given (--model PATH or model = ... in the config file)")
         if not self.dataset:
             raise HsxError("no dataset given (--dataset NAME_OR_PATH)")
-        if not self.output:
+        if output and not self.output:
             raise HsxError("no output directory given (--output DIR)")
         if self.mode not in ("generate", "prefill"):
             raise HsxError(f"--mode must be generate or prefill, got {self.mode!r}")
@@ -157,7 +168,9 @@ class ExtractConfig:
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
-            raise HsxError(f"{where}: unknown keys {unknown}; known keys: {sorted(names)}")
+            run = [f"{k} (hsx.extract(cfg, {RUN_OPTIONS[k]}), or --{k})" for k in unknown if k in RUN_OPTIONS]
+            hint = f"; {', '.join(run)} belong to a run, not to its configuration" if run else ""
+            raise HsxError(f"{where}: unknown keys {unknown}{hint}; known keys: {sorted(names)}")
         return cls(**d)
 
     @classmethod

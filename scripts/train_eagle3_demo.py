@@ -1,6 +1,8 @@
 """Train a small EAGLE3-style draft head on hsx shards (CPU, minutes) and measure it honestly.
 
     python scripts/train_eagle3_demo.py [--shards demo_out/shards] [--steps 300] [--out FILE.json]
+    python scripts/train_eagle3_demo.py --online RUN.toml [--steps 300] [--out FILE.json]
+    python scripts/train_eagle3_demo.py --shards DIR --in-order [--steps 300]   # the same batches, from shards
 
 The head (one decoder layer, as in EAGLE3):
     aux [T, 3H] --(optional RMSNorm over the whole 3H: norm_before_fc)--> fc --> h [T, H]
@@ -16,6 +18,12 @@ One prediction step per position (no multi-step test-time-training unroll).
 Measured and written to JSON: the training loss (first vs last steps), and top-1 agreement with
 the target (draft argmax == target argmax) on held-out samples, split by sample id, for the
 untrained head (same initialisation), the trained head, and a constant most-frequent-token guess.
+``--online RUN.toml`` trains from a live run (:class:`hsx.eagle3.Eagle3Stream` over the extract config in
+the file; no shards): batches are consecutive training samples in source order, one pass of the
+stream after another (each pass runs the engine again) until ``--steps``; held-out samples (split
+by a hash of the sample id) are kept from the first pass. ``--in-order`` trains from shards in
+exactly that way, so the two give the same loss curve when the shards came from the same config.
+
 ``--save-head DIR`` also writes the trained head in SGLang's ``LlamaForCausalLMEagle3`` format, so
 ``--engine sglang --spec-algorithm EAGLE3 --draft-model DIR`` can draft with it.
 """
@@ -23,6 +31,7 @@ untrained head (same initialisation), the trained head, and a constant most-freq
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import random
@@ -35,7 +44,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hsx
-from hsx.eagle3 import Eagle3Dataset, collate, load_draft_config, shift_for_draft
+from hsx.config import ExtractConfig
+from hsx.eagle3 import Eagle3Dataset, Eagle3Stream, collate, load_draft_config, shift_for_draft
 
 
 class RMSNorm(nn.Module):
@@ -171,13 +181,119 @@ def constant_guess(train, test, lm_head_w) -> dict:
     for s in range(0, len(train), 16):
         _, _, tl, mask = batch_tensors(train[s : s + 16], lm_head_w)
         counts += torch.bincount(tl.argmax(-1)[mask], minlength=len(counts))
-    guess = int(counts.argmax())
+    return guess_agreement(int(counts.argmax()), test, lm_head_w)
+
+
+@torch.no_grad()
+def guess_agreement(guess: int, test, lm_head_w) -> dict:
     hit, n = 0, 0
     for s in range(0, len(test), 16):
         _, _, tl, mask = batch_tensors(test[s : s + 16], lm_head_w)
         hit += int((tl.argmax(-1)[mask] == guess).sum())
         n += int(mask.sum())
     return {"top1": hit / n if n else float("nan"), "positions": n, "token": guess}
+
+
+def new_head(hidden: int, vocab: int, norm_before_fc: bool, embed_w, seed: int) -> DraftHead:
+    """A fresh head (the same weights for the same seed) with the target's embedding, frozen."""
+    torch.manual_seed(seed)
+    model = DraftHead(hidden, vocab, norm_before_fc=norm_before_fc)
+    with torch.no_grad():
+        model.embed.weight.copy_(embed_w)
+    model.embed.weight.requires_grad_(False)
+    return model
+
+
+def train_steps(model, batches, lm_head_w, steps: int, lr: float, log_every: int, on_batch=None) -> list[float]:
+    """AdamW with warm-up and cosine decay over ``steps``, one step per batch of samples; the losses."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    losses = []
+    for step, picked in zip(range(steps), batches):
+        ids_b, aux, tl, mask = batch_tensors(picked, lm_head_w)
+        if on_batch is not None:
+            on_batch(tl, mask)
+        loss = kl_loss(model(ids_b, aux), tl, mask)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if log_every and (step % log_every == 0 or step == steps - 1):
+            print(f"step {step:4d}  loss {loss.item():.4f}", flush=True)
+    return losses
+
+
+def is_held_out(sample_id: str, share: float) -> bool:
+    """A split that needs no list of all ids (a stream has none): a hash of the id against ``share``."""
+    return int(hashlib.sha256(sample_id.encode()).hexdigest()[:8], 16) < share * 2**32
+
+
+def in_order_batches(make_pass, batch: int, held_out: float, test: list):
+    """Batches of consecutive training samples, pass after pass of ``make_pass()``; the held-out
+    samples of the first pass are appended to ``test``."""
+    first = True
+    while True:
+        picked, trained = [], 0
+        for s in make_pass():
+            if is_held_out(s["sample_id"], held_out):
+                if first:
+                    test.append(s)
+                continue
+            picked.append(s)
+            trained += 1
+            if len(picked) == batch:
+                yield picked
+                picked = []
+        if picked:
+            yield picked
+        if not trained:
+            raise SystemExit("no training samples: the data gave none, or every one is held out")
+        first = False
+
+
+def run_in_order(source: str, online: bool, steps: int = 300, batch: int = 8, lr: float = 3e-3, held_out: float = 0.2,
+                 seed: int = 0, target: str | None = None, draft_config: str | None = None,
+                 norm_before_fc: bool | None = None, threads: int = 2, log_every: int = 50, ahead: int = 64) -> dict:
+    """Train on batches in source order, from a live run (``online``: ``source`` is an extract config
+    file) or from shards; the same config gives the same batches, so the same losses."""
+    torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    draft = load_draft_config(draft_config)
+    if norm_before_fc is None:
+        norm_before_fc = bool(draft and draft.get("norm_before_fc"))
+    data = Eagle3Stream(source, draft, ahead=ahead) if online else Eagle3Dataset(source, draft)
+    metadata = data.metadata if online else data.shards.metadata
+    target = target or metadata["model"]["path"]
+    embed_w, lm_head_w = load_target_head(target)
+    make_pass = (lambda: iter(data)) if online else (lambda: (data[i] for i in range(len(data))))
+    model = new_head(data.layout.hidden_size, lm_head_w.shape[0], norm_before_fc, embed_w, seed)
+    counts = torch.zeros(lm_head_w.shape[0], dtype=torch.int64)  # the target's top-1 on the training positions
+
+    def count_top1(tl, mask):
+        counts.add_(torch.bincount(tl.argmax(-1)[mask], minlength=len(counts)))
+
+    test: list = []
+    batches = in_order_batches(make_pass, batch, held_out, test)
+    losses = train_steps(model, batches, lm_head_w, steps, lr, log_every, on_batch=count_top1)
+    batches.close()  # online: stops the engine's thread mid-pass
+    untrained = new_head(data.layout.hidden_size, lm_head_w.shape[0], norm_before_fc, embed_w, seed)
+    k = max(1, min(20, steps // 5))
+    return {
+        "source": str(source), "online": online, "target": str(target),
+        "samples": {"held_out": len(test), "held_out_ids": [s["sample_id"] for s in test]},
+        "steps": steps, "batch": batch, "lr": lr, "seed": seed, "norm_before_fc": norm_before_fc,
+        "hidden_size": data.layout.hidden_size, "aux_boundaries": list(data.layout.aux_boundaries),
+        "loss": {"first": losses[0], "last": losses[-1], f"mean_first_{k}": sum(losses[:k]) / k,
+                 f"mean_last_{k}": sum(losses[-k:]) / k},
+        "losses": losses,
+        "held_out_top1": {"untrained": agreement(untrained, test, lm_head_w), "trained": agreement(model, test, lm_head_w),
+                          "constant_guess": guess_agreement(int(counts.argmax()), test, lm_head_w)},
+        "stream": {"failures": len(data.failures), "summary": vars(data.summary)} if online else None,
+        "seconds": time.perf_counter() - t0,
+        "threads": threads,
+    }
 
 
 def run(shards: str, steps: int = 300, batch: int = 8, lr: float = 3e-3, held_out: float = 0.2, seed: int = 0,
@@ -203,30 +319,13 @@ def run(shards: str, steps: int = 300, batch: int = 8, lr: float = 3e-3, held_ou
     train, test = [train_ds[i] for i in range(len(train_ds))], [test_ds[i] for i in range(len(test_ds))]
     hidden = train_ds.layout.hidden_size
 
-    torch.manual_seed(seed)
-    model = DraftHead(hidden, lm_head_w.shape[0], norm_before_fc=norm_before_fc)
-    with torch.no_grad():
-        model.embed.weight.copy_(embed_w)
-    model.embed.weight.requires_grad_(False)
+    model = new_head(hidden, lm_head_w.shape[0], norm_before_fc, embed_w, seed)
     before = agreement(model, test, lm_head_w)
     before_train = agreement(model, train, lm_head_w)
 
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / steps)))
     rng = random.Random(seed + 1)
-    losses = []
-    for step in range(steps):
-        picked = [train[rng.randrange(len(train))] for _ in range(batch)]
-        ids_b, aux, tl, mask = batch_tensors(picked, lm_head_w)
-        loss = kl_loss(model(ids_b, aux), tl, mask)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        losses.append(loss.item())
-        if log_every and (step % log_every == 0 or step == steps - 1):
-            print(f"step {step:4d}  loss {loss.item():.4f}", flush=True)
+    batches = ([train[rng.randrange(len(train))] for _ in range(batch)] for _ in range(steps))
+    losses = train_steps(model, batches, lm_head_w, steps, lr, log_every)
     k = max(1, min(20, steps // 5))
     result = {
         "shards": str(shards),
@@ -264,12 +363,29 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--held-out", type=float, default=0.2, help="share of samples held out (split by sample id)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=None, help="write the results here (default: SHARDS/../eagle3_train.json)")
+    p.add_argument("--out", default=None, help="write the results here (default: SHARDS/../eagle3_train.json; "
+                   "--online: the config's output/../eagle3_train_online.json)")
     p.add_argument("--save-head", default=None, help="also write the trained head here in SGLang's EAGLE3 format")
+    p.add_argument("--online", default=None, metavar="RUN.toml",
+                   help="train from a live run of this extract config (no shards), batches in source order")
+    p.add_argument("--in-order", action="store_true", help="from --shards, batches in source order as --online makes them")
+    p.add_argument("--ahead", type=int, default=64, help="--online: samples the engine may run ahead of training")
     a = p.parse_args(argv)
-    result = run(a.shards, a.steps, a.batch, a.lr, a.held_out, a.seed, a.target, a.draft_config, a.norm_before_fc, a.threads,
-                 save_head=a.save_head)
-    out = Path(a.out) if a.out else Path(a.shards).resolve().parent / "eagle3_train.json"
+    if a.online or a.in_order:
+        if a.save_head:
+            p.error("--save-head goes with the shuffled training from --shards")
+        result = run_in_order(a.online or a.shards, bool(a.online), a.steps, a.batch, a.lr, a.held_out, a.seed, a.target,
+                              a.draft_config, a.norm_before_fc, a.threads, ahead=a.ahead)
+        if a.online:  # next to where the run's shards would go, else here
+            output = ExtractConfig.from_file(a.online).output
+            default_out = (Path(output).resolve().parent if output else Path.cwd()) / "eagle3_train_online.json"
+        else:
+            default_out = Path(a.shards).resolve().parent / "eagle3_train_in_order.json"
+    else:
+        result = run(a.shards, a.steps, a.batch, a.lr, a.held_out, a.seed, a.target, a.draft_config, a.norm_before_fc,
+                     a.threads, save_head=a.save_head)
+        default_out = Path(a.shards).resolve().parent / "eagle3_train.json"
+    out = Path(a.out) if a.out else default_out
     out.write_text(json.dumps(result, indent=1))
     ho = result["held_out_top1"]
     print(f"loss {result['loss']['first']:.3f} -> {result['loss']['last']:.3f}; held-out top-1 agreement with the target: "

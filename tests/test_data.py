@@ -137,7 +137,20 @@ def test_chat_prefill_mask_is_exactly_the_assistant_turns(tok, shape, template):
 def test_text_rows(tok, mode):
     prompt = Renderer(tok, mode).render({"text": "The kettle clicked off."}, 0)
     assert decode(tok, prompt.input_ids) == "<|bos|>The kettle clicked off."
-    assert prompt.loss_mask == [int(mode == "prefill")] * len(prompt.input_ids)
+    # prefill: every token is learned but the BOS the tokenizer adds (nothing predicts it)
+    assert prompt.loss_mask == [0] + [int(mode == "prefill")] * (len(prompt.input_ids) - 1)
+
+
+def test_text_rows_mask_every_special_token_the_tokenizer_adds(tok):
+    from tokenizers.processors import TemplateProcessing
+
+    both = build_demo_tokenizer()  # a tokenizer whose post-processor writes BOS and EOS around the text
+    both._tokenizer.post_processor = TemplateProcessing(
+        single=f"{both.bos_token} $A {both.eos_token}",
+        special_tokens=[(both.bos_token, both.bos_token_id), (both.eos_token, both.eos_token_id)])
+    prompt = Renderer(both, "prefill").render({"text": "The kettle clicked off."}, 0)
+    assert prompt.input_ids[0] == both.bos_token_id and prompt.input_ids[-1] == both.eos_token_id
+    assert prompt.loss_mask == [0] + [1] * (len(prompt.input_ids) - 2) + [0]
 
 
 def test_both_mask_paths_agree_on_every_demo_row(tok):
@@ -285,6 +298,20 @@ def test_bad_rows_raise_sample_error_naming_the_sample(tok, mode, row, reason):
     assert "bad-1" in str(err.value)
 
 
+@pytest.mark.parametrize("content", ["", "  \n"])
+@pytest.mark.parametrize("where", [1, 3])
+def test_empty_assistant_turn_in_prefill_mode_is_a_sample_error(tok, content, where):
+    turns = [USER1, ASSISTANT1, USER2, ASSISTANT2]
+    turns[where] = {"role": "assistant", "content": content}
+    for template in (None, UNMARKED_TEMPLATE):  # both mask paths
+        with pytest.raises(SampleError, match=f"turn {where}: the assistant turn is empty or whitespace") as err:
+            Renderer(tok, "prefill", id_field="id", chat_template=template).render({"id": "hollow", "messages": turns}, 0)
+        assert err.value.sample_id == "hollow"
+    if where == 3:  # generate mode drops a last assistant turn: an empty one is a place to answer
+        prompt = Renderer(tok, "generate").render({"messages": turns}, 0)
+        assert prompt.input_ids == Renderer(tok, "generate").render({"messages": turns[:3]}, 0).input_ids
+
+
 def test_missing_id_value_uses_split_index(tok):
     with pytest.raises(SampleError, match="id field 'id' is missing or null") as err:
         Renderer(tok, "generate", id_field="id", split="dev").render({"id": None, "text": "hi"}, 7)
@@ -409,6 +436,26 @@ def test_load_failures_are_hsx_errors(tmp_path):
         load_rows(str(tmp_path / "broken.jsonl"))
     with pytest.raises(HsxError, match="limit"):
         load_rows(str(tmp_path / "rows.txt"), limit=-1)
+
+
+@pytest.mark.parametrize("name,text,what", [("empty.jsonl", "", "the file is empty"),
+                                             ("blank.jsonl", "\n  \n", "the file is empty"),
+                                             ("empty.json", "", "the file is empty"),
+                                             ("header.csv", "id,text\n", "only a header line")])
+def test_a_file_with_no_rows_is_an_error_naming_it(tmp_path, name, text, what):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(HsxError, match=f"{tmp_path / name}: no rows \\({what}\\)"):
+        load_rows(str(tmp_path / name))
+
+
+def test_a_split_with_no_rows_is_an_error_naming_the_dataset(tmp_path):
+    datasets.Dataset.from_list(ROWS).select([]).to_parquet(str(tmp_path / "none.parquet"))
+    with pytest.raises(HsxError, match=r"none.parquet: no rows \(the Parquet file holds none\)"):
+        load_rows(str(tmp_path / "none.parquet"))
+    (tmp_path / "none.json").write_text("[]")
+    with pytest.raises(HsxError, match=r"none.json': no rows \(the split is empty\)"):
+        load_rows(str(tmp_path / "none.json"))
+    assert len(load_rows(str(write_jsonl(tmp_path / "rows.jsonl", ROWS)), limit=0)) == 0  # asked for none: fine
 
 
 def test_hub_name_offline_is_a_clear_error():

@@ -124,9 +124,12 @@ def test_speculative_tokens_equal_plain_greedy(models, tmp_path):
 
 
 def test_prefill_mode_rows_and_loss_mask(models, tmp_path):
-    data = write_jsonl(tmp_path / "data.jsonl", GOOD_ROWS)
-    extract(config(models, data, tmp_path / "out", mode="prefill"), progress=False)
+    hollow = {"id": "hollow", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}]}
+    data = write_jsonl(tmp_path / "data.jsonl", [*GOOD_ROWS, hollow])
+    summary = extract(config(models, data, tmp_path / "out", mode="prefill"), progress=False)
+    assert summary.samples == len(GOOD_ROWS) and summary.errors == 1
     ds = hsx.open(tmp_path / "out")
+    assert [(e.sample_id, "assistant turn is empty" in e.reason) for e in ds.errors] == [("hollow", True)]
     assert check_against_oracle(ds, models["model"], "prefill") > 0
     tok = models["tok"]
     by_id = {s.sample_id: s for s in ds}
@@ -134,7 +137,9 @@ def test_prefill_mode_rows_and_loss_mask(models, tmp_path):
     learned = tok.decode(share.input_ids[share.loss_mask.bool()].tolist())
     assert "Flour, water, salt and yeast." in learned and "Butter is made from cream." in learned
     assert "bread" not in learned and "butter?" not in learned
-    assert by_id["text-d"].loss_mask.all()
+    text = by_id["text-d"]  # plain text: every token is learned but the BOS the tokenizer adds
+    assert int(text.input_ids[0]) == tok.bos_token_id
+    assert text.loss_mask[0] == 0 and text.loss_mask[1:].all()
 
 
 def test_bad_inputs_become_error_records(models, tmp_path):
@@ -157,6 +162,9 @@ def test_missing_column_and_unreadable_dataset_fail_fast(models, tmp_path):
         extract(config(models, data, tmp_path / "out"), progress=False)
     with pytest.raises(HsxError, match="no such file"):
         extract(config(models, str(tmp_path / "missing.jsonl"), tmp_path / "out2"), progress=False)
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(HsxError, match=r"empty.jsonl: no rows \(the file is empty\)"):
+        extract(config(models, str(tmp_path / "empty.jsonl"), tmp_path / "out3"), progress=False)
 
 
 def test_different_config_is_refused_unless_overwrite(models, tmp_path):
@@ -220,7 +228,8 @@ def test_sigkill_then_resume_gives_each_sample_once(models, tmp_path):
 def test_cli_extract_inspect_verify(models, tmp_path):
     data = write_jsonl(tmp_path / "data.jsonl", GOOD_ROWS)
     runner = CliRunner()
-    result = runner.invoke(app, _cli_args(models, data, tmp_path / "out"))
+    loud = [a for a in _cli_args(models, data, tmp_path / "out") if a != "--quiet"]  # --quiet prints no summary
+    result = runner.invoke(app, loud)
     assert result.exit_code == 0, result.output
     assert f"wrote {len(GOOD_ROWS)} samples" in result.output
     info = runner.invoke(app, ["inspect", "--json", str(tmp_path / "out")])

@@ -1,4 +1,4 @@
-"""What a new user meets first: bad input files, refusals, inspect, --help, the README's option table,
+"""What a new user meets first: bad input files, refusals, inspect, --help, the options table in docs/OPTIONS.md,
 empty chat turns, and the notebook's prefill-mode panel; each through the CLI or the Python API."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from hsx.errors import HsxError, SampleError
 from shard_fixtures import finite_records, make_metadata, write_sink
 
 torch.set_num_threads(1)
-README = Path(__file__).resolve().parents[1] / "README.md"
+OPTIONS = Path(__file__).resolve().parents[1] / "docs" / "OPTIONS.md"
 ROWS = [{"id": "a", "text": "The kettle clicked off."}, {"id": "b", "text": "Rain on the window."},
         {"id": "c", "messages": [{"role": "user", "content": "Name a colour."}]}]
 
@@ -143,16 +143,30 @@ def test_inspect_lists_error_records_and_all_of_them_with_errors(tmp_path):
                                                                         "reason": errors[11][2]}
 
 
-# --------------------------------------------------------------------------- --help and the README
+# --------------------------------------------------------------------------- --help and docs/OPTIONS.md
 
 def _extract_command():
     return typer.main.get_command(app).commands["extract"]
 
 
+def help_entries(text: str) -> dict[str, str]:
+    """``--option`` -> its whole help entry (the option line and the lines wrapped under it)."""
+    entries, current = {}, None
+    for line in text.splitlines():
+        if (m := re.match(r"^  (?:-[a-z], )?(--[a-z0-9-]+)", line)):
+            current = m.group(1)
+            entries[current] = line.strip()
+        elif current and line.startswith("    "):
+            entries[current] += " " + line.strip()
+        else:
+            current = None
+    return entries
+
+
 def test_extract_help_marks_required_options_and_shows_defaults(tmp_path):
     runner = CliRunner()
-    text = runner.invoke(app, ["extract", "--help"], env={"COLUMNS": "250", "NO_COLOR": "1"}).output
-    lines = {m.group(1): line for line in text.splitlines() if (m := re.search(r"(--[a-z0-9-]+)", line))}
+    text = runner.invoke(app, ["extract", "--help"], env={"NO_COLOR": "1"}).output
+    lines = help_entries(text)
     for name in ("--model", "--dataset", "--output"):
         assert "[required]" in lines[name], lines[name]
     for name, default in (("--mode", "generate"), ("--layers", "final"), ("--engine", "hf"), ("--keep", "all"),
@@ -173,13 +187,13 @@ def test_required_options_may_come_from_the_config_file(model_dir, tmp_path):
     assert ds.metadata["mode"] == "prefill" and len(ds) == 3  # the file's mode, not the shown default
 
 
-def test_readme_extract_table_names_every_extract_option():
-    text = README.read_text()
-    table = text[text.index("## Extract"):text.index("- **Alignment.**")]
+def test_options_table_names_every_extract_option():
+    text = OPTIONS.read_text()
+    table = text[text.index("| option |"):text.index("## How a run goes")]
     documented = set(re.findall(r"`(--[a-z0-9-]+)", table))
     options = {o for p in _extract_command().params for o in p.opts if o.startswith("--")} - {"--help"}
-    assert options - documented == set(), f"README's extract table lacks {sorted(options - documented)}"
-    assert documented - options == set(), f"README documents options extract lacks: {sorted(documented - options)}"
+    assert options - documented == set(), f"docs/OPTIONS.md's table lacks {sorted(options - documented)}"
+    assert documented - options == set(), f"docs/OPTIONS.md documents options extract lacks: {sorted(documented - options)}"
 
 
 # --------------------------------------------------------------------------- chats and the notebook

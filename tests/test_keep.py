@@ -151,3 +151,113 @@ def test_position_rules_on_many_samples_at_once():
             for j in range(len(n)):
                 want = expected_positions(keep, mode, n[j], prompt[j], mask[offsets[j]:offsets[j + 1]])
                 assert np.array_equal(pos[owner == j], want), (keep, mode, j)
+
+
+# --- verify --recompute under --keep --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def kept_outputs(model, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("kept")
+    return {case: run(model, root / "-".join(case), *case) and root / "-".join(case) for case in CASES}
+
+
+def recompute_json(path: Path) -> tuple[int, dict]:
+    result = CliRunner().invoke(app, ["verify", str(path), "--recompute", "--json"])
+    return result.exit_code, json.loads(result.stdout)["recompute"]
+
+
+def states_at(model, ids: torch.Tensor, sources, pos: torch.Tensor) -> torch.Tensor:
+    """The oracle's rows of a column with these ``sources`` at positions ``pos`` [R]."""
+    ref = oracle_sources(model["model"], ids.long())
+    return torch.cat([ref[src] for src in sources], dim=-1)[pos]
+
+
+@pytest.mark.parametrize("mode,keep", CASES)
+def test_recompute_checks_kept_rows_at_their_positions(kept_outputs, mode, keep):
+    code, r = recompute_json(kept_outputs[(mode, keep)])
+    assert code == 0, [f["message"] for s in r["samples"] for f in s["findings"]]
+    stored = sum(s.num_rows for s in hsx.open(kept_outputs[(mode, keep)]))
+    assert r["ok"] and r["rows"] == stored > 0 and len(r["samples"]) == len(ROWS)
+
+
+def _faults(model, fault: str, shift: int):
+    """An ``edit`` for ``shard_fixtures.rewrite``: the stored rows of one sample replaced by what a
+    misaligned writer would have kept at those positions; returns (edit, faulty sample, rows changed)."""
+    changed = {}
+    donor = {}
+    target = "text" if fault == "sample" else "chat"
+
+    def edit(k, s, hidden):
+        if fault == "sample" and s.sample_id == "chat":
+            donor["ids"] = s.input_ids.long().clone()
+        if s.sample_id != target:
+            return
+        pos = s.positions
+        for g in s._shard.metadata["layers"]:
+            if fault == "shift":  # each kept row holds the state of position p + shift
+                moved = ((pos + shift >= 0) & (pos + shift < len(s.input_ids))).nonzero()[:, 0]
+                rows = states_at(model, s.input_ids, g["sources"], pos[moved] + shift)
+            elif fault == "sample":  # the rows of another sample (chat, the longest) at the same positions
+                moved = (pos < len(donor["ids"])).nonzero()[:, 0]
+                rows = states_at(model, donor["ids"], g["sources"], pos[moved])
+            elif fault == "repeat":  # rows dropped, padded with copies of the stored row before them: the
+                # first rows after a gap between kept positions where there is one (a turn boundary)
+                gaps = (pos[1:] != pos[:-1] + 1).nonzero()[:, 0] + 1
+                start = int(gaps[0]) if len(gaps) else len(pos) - 3
+                moved = torch.arange(start, start + 3)
+                rows = hidden[g["name"]][start - 1].expand(3, -1)
+            elif g["name"] == "b1":  # the neighbouring boundary's states at the right positions
+                moved = torch.arange(len(pos))
+                rows = states_at(model, s.input_ids, [2], pos)
+            else:
+                continue
+            h = hidden[g["name"]]
+            before = h[moved].clone()
+            h[moved] = rows.to(h.dtype)
+            width = h.shape[1] // len(g["sources"])
+            for k, src in enumerate(g["sources"]):  # rows whose state really moved (not a shared prefix)
+                part = slice(k * width, (k + 1) * width)
+                diff = (h[moved, part] - before[:, part]).norm(dim=-1) > 1e-3 * before[:, part].norm(dim=-1)
+                changed[(g["name"], src)] = int(diff.sum())
+
+    return edit, target, changed
+
+
+FAULTS = [("shift", 1), ("shift", -1), ("sample", 0), ("layer", 0), ("repeat", 0)]
+
+
+@pytest.mark.parametrize("fault,shift", FAULTS)
+@pytest.mark.parametrize("mode,keep", CASES)
+def test_recompute_diagnoses_misplaced_kept_rows(model, kept_outputs, tmp_path, mode, keep, fault, shift):
+    from shard_fixtures import rewrite
+
+    if (mode, keep, fault, shift) == ("prefill", "last", "shift", 1):
+        pytest.skip("the last prefill position has no position after it")
+    if fault == "repeat" and keep == "last":
+        pytest.skip("one row per sample: no row before it to copy")
+    edit, target, changed = _faults(model, fault, shift)
+    code, r = recompute_json(rewrite(kept_outputs[(mode, keep)], tmp_path / "faulty", edit))
+    assert changed and max(changed.values()) >= 1
+    assert code == 1 and not r["ok"]
+    assert {s["sample_id"] for s in r["samples"] if s["findings"]} == {target}
+    s = next(s for s in r["samples"] if s["sample_id"] == target)
+    assert s["verdict"] == "misaligned"
+    findings = s["findings"]
+    want = {"shift": f"position p{shift:+d}", "sample": "sample 'chat'", "layer": "boundary 2", "repeat": "repeat"}[fault]
+    ds = hsx.open(kept_outputs[(mode, keep)])
+    ids = {x.sample_id: x.input_ids.tolist() for x in ds}
+    for f in findings:
+        if f["matched"] != want:  # boundary 0 is the token's embedding: any position of the same token fits
+            assert f["source"] == 0 and f["kind"] in ("position", "sample"), f["message"]
+            d = int(f["message"].split("shifted by ")[1].rstrip(")")) if f["kind"] == "position" else 0
+            held = ids["chat"][f["first"]] if fault == "sample" else ids[target][f["first"] + shift]
+            matched = ids[target if f["kind"] == "position" else "chat"][f["first"] + d]
+            assert held == matched, f["message"]
+    assert want in {f["matched"] for f in findings}
+    flagged = {}
+    for f in findings:
+        flagged[(f["column"], f["source"])] = flagged.get((f["column"], f["source"]), 0) + f["rows"]
+    positions_of = set(ds.select([target])[0].positions.tolist())
+    assert all(f["first"] in positions_of and f["last"] in positions_of for f in findings)  # positions, not row numbers
+    for key, n in changed.items():  # float32 rows: every moved row of every column source is caught
+        assert flagged.get(key, 0) == n, (key, flagged, changed)

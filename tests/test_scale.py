@@ -236,7 +236,8 @@ def test_driver_killed_then_resumed(setup, reference, local_ray, tmp_path, caplo
     assert (out / ".hsx.lock").exists()
 
     with caplog.at_level("WARNING", logger="hsx"):
-        resumed = CliRunner().invoke(app, [*args, "--ray", *ray_args[2:]])
+        loud = [a for a in args if a != "--quiet"]  # the summary says what was resumed
+        resumed = CliRunner().invoke(app, [*loud, "--ray", *ray_args[2:]])
     assert resumed.exit_code == 0, resumed.output
     assert f"pid {proc.pid}" in caplog.text and "took over the lock" in caplog.text
     assert "resumed:" in resumed.output

@@ -117,7 +117,7 @@ def check_roundtrip(d: Path, meta: dict, records: list) -> None:
             assert [r.sample_id for _, r in items] == entry.sample_ids
             assert_tokens(ds.tokens(name, shard=k), items, name, widths[name], dtype)
             start += entry.samples
-        # On a view, rows come in storage order and point at the view's own indices.
+        # On a view, rows come in the view's order and point at its own indices.
         tm = view.tokens(name)
         assert tm.hidden.shape[0] == sum(by_id[i].num_rows for i in picked)
         for r in range(tm.hidden.shape[0]):

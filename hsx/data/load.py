@@ -10,14 +10,14 @@
 5. otherwise a hub name. Something that looks like a path but does not exist fails here instead of
    being sent to the hub.
 
+A source (or split) with no rows is an error naming it: an empty file, a csv with only its header.
+
 Every failure of the underlying library surfaces as :class:`~hsx.errors.HsxError` naming the source.
 """
 
 from __future__ import annotations
 
-import codecs
 import contextlib
-import json
 import logging
 import os
 from pathlib import Path
@@ -26,10 +26,8 @@ import datasets
 import pyarrow as pa
 import xxhash
 
+from hsx.data.files import FILE_BUILDERS, check_has_rows, check_json, check_utf8
 from hsx.errors import HsxError
-
-FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
-
 
 def load_rows(source: str, split: str = "train", limit: int | None = None, data_files=None) -> datasets.Dataset:
     """The rows of ``split`` of ``source``, the first ``limit`` of them when ``limit`` is given.
@@ -47,6 +45,8 @@ def load_rows(source: str, split: str = "train", limit: int | None = None, data_
         ds = splits[split]
     else:
         raise HsxError(f"dataset {source!r} has no split {split!r}; available splits: {sorted(splits)}")
+    if len(ds) == 0:
+        raise HsxError(f"dataset {source!r}: no rows in split {split!r}")
     if limit is not None and limit < len(ds):
         ds = ds.select(range(limit))
     return ds
@@ -65,6 +65,7 @@ def _open(source: str, data_files) -> datasets.DatasetDict | datasets.Dataset:
                 with _quiet_json_log():  # its message counts rows from 0; check_json names the line
                     return datasets.load_dataset(builder, data_files={"train": str(path)})
             except Exception:
+                check_has_rows(path, builder)  # an empty file fails inside the library with no message
                 if builder == "json":
                     check_json(path)  # names the first bad line, if that is what went wrong
                 raise
@@ -78,6 +79,8 @@ def _open(source: str, data_files) -> datasets.DatasetDict | datasets.Dataset:
     except HsxError:
         raise
     except Exception as exc:  # the library raises many unrelated types; all mean "cannot read this source"
+        if "corresponds to no data" in str(exc):  # its words for a split with no rows
+            raise HsxError(f"dataset {source!r}: no rows (the split is empty)") from exc
         hint = ""
         if isinstance(exc, ConnectionError) or "Hub" in str(exc):
             hint = " (hub datasets need network access; download it elsewhere and pass the local path)"
@@ -93,54 +96,6 @@ def _quiet_json_log():
         yield
     finally:
         log.setLevel(level)
-
-
-def _position(path: Path, data: bytes, offset: int) -> str:
-    """``file:line, column`` (both 1-based) of byte ``offset`` of ``data``, the whole file's bytes."""
-    line = data.count(b"\n", 0, offset) + 1
-    column = offset - (data.rfind(b"\n", 0, offset) + 1) + 1
-    return f"{path}:{line}, column {column}"
-
-
-def check_utf8(path: Path, chunk: int = 16 << 20) -> None:
-    """Refuse a text file that is not UTF-8, naming the line (the json and csv readers assume UTF-8
-    and would fail later, mid-run, on the first row holding such bytes)."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    done = 0
-    with open(path, "rb") as f:
-        while True:
-            block = f.read(chunk)
-            pending = len(decoder.getstate()[0])  # bytes of a sequence cut by the previous block
-            try:
-                decoder.decode(block, final=not block)
-            except UnicodeDecodeError as e:
-                data = path.read_bytes()
-                at = done - pending + e.start
-                at = max(0, min(at, len(data) - 1))
-                raise HsxError(f"{_position(path, data, at)}: byte 0x{data[at]:02x} is not valid UTF-8; hsx reads "
-                               "UTF-8 text (re-encode the file, e.g. iconv -f latin1 -t utf-8)") from None
-            if not block:
-                return
-            done += len(block)
-
-
-def check_json(path: Path) -> None:
-    """Name the first line of a JSON-lines file (or the place in a JSON document) that does not parse."""
-    text = path.read_text(encoding="utf-8")
-    try:
-        json.loads(text)
-        return  # one JSON document: the file is valid JSON; the library failed for another reason
-    except ValueError:
-        pass
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            json.loads(line)
-        except ValueError as e:
-            reason = getattr(e, "msg", str(e))
-            raise HsxError(f"{path}:{lineno}, column {getattr(e, 'colno', '?')}: not valid JSON ({reason}); "
-                           "expected one JSON object per line") from None
 
 
 def _is_saved_to_disk(path: Path) -> bool:

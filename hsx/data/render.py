@@ -30,8 +30,10 @@ prefill
     spans are found in the rendered text: an assistant turn i spans from the end of the rendering
     of turns[:i] with a generation prompt to the end of the rendering of turns[:i + 1], minus
     trailing whitespace (the separator before the next turn); tokens overlapping a span get 1.
-    That needs each prefix rendering to be a prefix of the full text, which is checked. Plain text
-    has 1 on every token. A sequence longer than ``max_length`` is rejected.
+    That needs each prefix rendering to be a prefix of the full text, which is checked. An empty
+    (or whitespace) assistant turn is rejected: its mask would hold the end-of-turn token alone.
+    Plain text has 1 on every token but the special tokens the tokenizer adds (BOS, EOS). A
+    sequence longer than ``max_length`` is rejected.
 """
 
 from __future__ import annotations
@@ -61,6 +63,26 @@ class Prompt:
     loss_mask: list[int]  # same length as input_ids, 1 on tokens to learn from
 
 
+def row_shapes(column_names: Iterable[str], text_field: str | None = None, id_field: str | None = None) -> list[tuple[str, str]]:
+    """``(shape, column)`` pairs a dataset with these columns can be rendered from, in order of
+    preference; fails naming the columns if a named field is missing or none can be rendered."""
+    columns = list(column_names)
+    for role, name in (("--text-field", text_field), ("--id-field", id_field)):
+        if name is not None and name not in columns:
+            raise HsxError(f"{role} {name!r} is not a column of the dataset; its columns are {columns}")
+    text_column = text_field or next((c for c in TEXT_FIELDS if c in columns), None)
+    text = [("text", text_column)] if text_column else []
+    chats = [(shape, shape) for shape in CHAT_SHAPES if shape in columns]
+    candidates = text + chats if text_field else chats + text
+    if not candidates:
+        raise HsxError(
+            f"the dataset has no column to render: looked for 'messages', 'conversations' or a text "
+            f"column ({', '.join(TEXT_FIELDS)}; another one can be named with --text-field); "
+            f"its columns are {columns}"
+        )
+    return candidates
+
+
 class Renderer:
     def __init__(
         self,
@@ -86,20 +108,8 @@ class Renderer:
 
     def detect(self, column_names: Iterable[str]) -> str:
         """The dataset's preferred row shape; fails if it has no column this renderer can use."""
-        columns = list(column_names)
-        for role, name in (("--text-field", self.text_field), ("--id-field", self.id_field)):
-            if name is not None and name not in columns:
-                raise HsxError(f"{role} {name!r} is not a column of the dataset; its columns are {columns}")
-        text_column = self.text_field or next((c for c in TEXT_FIELDS if c in columns), None)
-        text = [("text", text_column)] if text_column else []
-        chats = [(shape, shape) for shape in CHAT_SHAPES if shape in columns]
-        candidates = text + chats if self.text_field else chats + text
-        if not candidates:
-            raise HsxError(
-                f"the dataset has no column to render: looked for 'messages', 'conversations' or a text "
-                f"column ({', '.join(TEXT_FIELDS)}; another one can be named with --text-field); "
-                f"its columns are {columns}"
-            )
+        candidates = row_shapes(column_names, self.text_field, self.id_field)
+        chats = [c for c in candidates if c[0] != "text"]
         if chats:
             self._template_marks_assistant = bool(GENERATION_TAG.search(self._check_template()))
         self._candidates = candidates
@@ -137,10 +147,18 @@ class Renderer:
             raise SampleError(sample_id, f"column {column!r}: expected a string, found {type(text).__name__}")
         if not text.strip():
             raise SampleError(sample_id, f"column {column!r}: text is empty or whitespace")
-        input_ids = list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
-        return input_ids, [1 if self.mode == "prefill" else 0] * len(input_ids)
+        encoded = self.tokenizer(text, add_special_tokens=True, return_special_tokens_mask=True)
+        input_ids = list(encoded["input_ids"])
+        if self.mode == "generate":
+            return input_ids, [0] * len(input_ids)
+        return input_ids, [1 - int(m) for m in encoded["special_tokens_mask"]]  # BOS/EOS the tokenizer adds: 0
 
     def _render_chat(self, sample_id: str, turns: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+        if self.mode == "prefill":
+            empty = next((i for i, t in enumerate(turns) if t["role"] == "assistant" and not t["content"].strip()), None)
+            if empty is not None:
+                raise SampleError(sample_id, f"turn {empty}: the assistant turn is empty or whitespace; in prefill "
+                                  "mode its loss mask would be the end-of-turn token alone (a missing reply?)")
         if self.mode == "generate":
             if turns[-1]["role"] == "assistant":
                 turns = turns[:-1]

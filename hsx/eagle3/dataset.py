@@ -165,31 +165,42 @@ class Eagle3Dataset(torch.utils.data.Dataset):
 
     def num_tokens(self, n_tokens: int) -> int:
         """Tokens exported for a sample of ``n_tokens`` stored tokens (generate mode drops the last)."""
-        t = n_tokens - 1 if self.layout.mode == "generate" else n_tokens
-        return t if self.max_len is None else min(t, self.max_len)
+        return num_tokens(self.layout, n_tokens, self.max_len)
 
     def __getitem__(self, i: int) -> dict:
         s = self.shards[i]
-        ids = s.input_ids
-        n = len(ids)
-        rows = n - 1 if self.layout.mode == "generate" else n
-        aux, final = s.hidden(EAGLE3), s.hidden(FINAL)
-        if aux.shape[0] != rows or final.shape[0] != rows:
-            raise AlignmentError(
-                f"sample {s.sample_id!r}: {n} tokens in {self.layout.mode} mode need {rows} rows; "
-                f"'eagle3' has {aux.shape[0]}, 'final' has {final.shape[0]}"
-            )
-        t = self.num_tokens(n)
-        aux, final = aux[:t], final[:t]  # [T, 3H], [T, H]
-        if aux.dtype != self.dtype:
-            aux, final = aux.to(self.dtype), final.to(self.dtype)
-        return {
-            "input_ids": ids[:t].to(torch.int64),
-            "loss_mask": s.loss_mask[:t].to(torch.int64),
-            "aux_hidden_state": aux,
-            "hidden_state": final,
-            "sample_id": s.sample_id,
-        }
+        return eagle3_sample(self.layout, s.sample_id, s.input_ids, s.loss_mask, s.hidden(EAGLE3), s.hidden(FINAL),
+                             max_len=self.max_len, dtype=self.dtype)
+
+
+def num_tokens(layout: Eagle3Layout, n_tokens: int, max_len: int | None = None) -> int:
+    """Tokens of the EAGLE3 sample of ``n_tokens`` stored tokens (generate mode drops the last)."""
+    t = n_tokens - 1 if layout.mode == "generate" else n_tokens
+    return t if max_len is None else min(t, max_len)
+
+
+def eagle3_sample(layout: Eagle3Layout, sample_id: str, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                  aux: torch.Tensor, final: torch.Tensor, *, max_len: int | None = None,
+                  dtype: torch.dtype = torch.bfloat16) -> dict:
+    """One EAGLE3 sample (see the module docstring) from a sample's tokens and its two columns."""
+    n = len(input_ids)
+    rows = n - 1 if layout.mode == "generate" else n
+    if aux.shape[0] != rows or final.shape[0] != rows:
+        raise AlignmentError(
+            f"sample {sample_id!r}: {n} tokens in {layout.mode} mode need {rows} rows; "
+            f"'eagle3' has {aux.shape[0]}, 'final' has {final.shape[0]}"
+        )
+    t = num_tokens(layout, n, max_len)
+    aux, final = aux[:t], final[:t]  # [T, 3H], [T, H]
+    if aux.dtype != dtype:
+        aux, final = aux.to(dtype), final.to(dtype)
+    return {
+        "input_ids": input_ids[:t].to(torch.int64),
+        "loss_mask": loss_mask[:t].to(torch.int64),
+        "aux_hidden_state": aux,
+        "hidden_state": final,
+        "sample_id": sample_id,
+    }
 
 
 def collate(samples: Sequence[dict], pad_token_id: int = 0) -> dict:

@@ -195,15 +195,26 @@ def _diagnose(stored, own, alts, ref_valid, valid, finite, rel, bad, kind, match
     story = torch.zeros_like(bad)
     for row in range(batch):
         story[row] = _prefer_one_story(row, stored, own, alts, ref_valid, kind, match, tol, floor[row])
-    prev_same = torch.zeros_like(bad)
-    # a copy where the two positions have one state (a repeated token at boundary 0) is no padding
-    prev_same[:, 1:] = ((stored[:, 1:] == stored[:, :-1]).all(-1) & valid[:, :-1]
-                        & (_rel(own[:, 1:], own[:, :-1], floor) > tol.same))
+    # the row before is the previous stored one (under --keep, not always position p-1); a copy
+    # where the two positions have one state (a repeated token at boundary 0) is no padding
+    prev = _previous_stored(valid)  # [B, T], -1: none
+    at = prev.clamp_min(0)[..., None].expand_as(stored)
+    prev_same = ((stored == stored.gather(1, at)).all(-1) & (prev >= 0)
+                 & (_rel(own, own.gather(1, at), floor) > tol.same))
     copy = prev_same & bad
     explained = story & ((story & ~copy).sum(1) >= copy.sum(1))[:, None]
     kind[copy & ~explained] = REPEAT
     kind[bad & (stored.norm(dim=-1) == 0)] = ZERO
     kind[bad & ~finite] = NONFINITE
+
+
+def _previous_stored(valid: torch.Tensor) -> torch.Tensor:
+    """``[B, T]``: the position of the stored row before each position (-1 where there is none)."""
+    pos = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
+    last = torch.where(valid, pos, torch.full_like(pos, -1)).cummax(dim=1).values  # [B, T] latest stored at or before p
+    prev = torch.full_like(last, -1)
+    prev[:, 1:] = last[:, :-1]
+    return prev
 
 
 def _placed_kind(sample: int, row: int, source: int) -> int:

@@ -33,14 +33,26 @@ def _sample_id(sample, index: int) -> str:
     return str(getattr(sample, "sample_id", None) or f"#{index}")
 
 
-def _stored_block(samples, name: str, width: int, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Column ``name`` of every sample, padded: ``[B, T, W]`` float32 and ``valid [B, T]``."""
+def _positions(sample, mode: str) -> torch.Tensor:
+    """Token positions of a sample's stored rows, in row order: a shard sample's own (its ``--keep``
+    rule), else every position the mode covers."""
+    pos = getattr(sample, "positions", None)
+    if pos is not None:
+        return torch.as_tensor(pos).long()
+    return torch.arange(EXPECTED_ROWS[mode](torch.as_tensor(sample.input_ids).numel()))
+
+
+def _stored_block(samples, placed: list[torch.Tensor], name: str, width: int, length: int,
+                  device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Column ``name`` of every sample, each row at its position ``placed[i]``: ``[B, T, W]`` float32 and
+    ``valid [B, T]``."""
     block = torch.zeros(len(samples), length, width, device=device)
     valid = torch.zeros(len(samples), length, dtype=torch.bool, device=device)
-    for i, s in enumerate(samples):
-        rows = _hidden(s, name)[:length]  # rows past the last token have no position to compare with
-        block[i, : rows.shape[0]] = rows.to(device=device, dtype=torch.float32)
-        valid[i, : rows.shape[0]] = True
+    for i, (s, pos) in enumerate(zip(samples, placed)):
+        rows = _hidden(s, name)[: len(pos)]  # rows beyond the positions have no state to compare with
+        at = pos[: rows.shape[0]].to(device)
+        block[i, at] = rows.to(device=device, dtype=torch.float32)
+        valid[i, at] = True
     return block, valid
 
 
@@ -52,7 +64,10 @@ def check_samples(
     mode: str = "generate",
     sources: dict[tuple[str, int | str], SourceResult] | None = None,
 ) -> list[SampleResult]:
-    """Check one batch of samples (each with ``input_ids [N]`` and hidden rows per column, row j = position j).
+    """Check one batch of samples (each with ``input_ids [N]`` and hidden rows per column).
+
+    A shard ``Sample``'s rows are checked at its ``positions`` (what ``--keep`` stored); other samples'
+    row j is position j, every position ``mode`` covers.
 
     ``sources``, when given, accumulates per-column-source statistics across calls.
     """
@@ -65,18 +80,19 @@ def check_samples(
     wanted = [src for g in groups for src in (*g.sources, *neighbour_sources(g.sources, num_layers))]
     states = ref.states(ids, wanted)
     results = [SampleResult(sid, 0) for sid in sample_ids]
+    placed = [_positions(s, mode) for s in samples]
     for i, s in enumerate(samples):
-        got, want = _hidden(s, groups[0].name).shape[0] if groups else 0, EXPECTED_ROWS[mode](int(n_tokens[i]))
-        results[i].rows = min(got, int(n_tokens[i]))
+        got, want = _hidden(s, groups[0].name).shape[0] if groups else 0, len(placed[i])
+        results[i].rows = min(got, want)
         if got != want:
             results[i].findings.append(Finding(sample_ids[i], groups[0].name, "", 0, max(got, want) - 1, abs(got - want),
                                                "count", "", float("inf"), f"sample {sample_ids[i]!r}: {got} rows for "
-                                               f"{int(n_tokens[i])} tokens, {mode} mode needs {want}"))
+                                               f"{int(n_tokens[i])} tokens, {mode} mode and the keep rule give {want}"))
     for g in groups:
         if g.width != unit * len(g.sources):
             raise HsxError(f"column {g.name!r} is {g.width} wide for {len(g.sources)} source(s); the model's states "
                            f"are {unit} wide")
-        block, valid = _stored_block(samples, g.name, g.width, length, ref.device)
+        block, valid = _stored_block(samples, placed, g.name, g.width, length, ref.device)
         for k, src in enumerate(g.sources):
             alts = neighbour_sources([src], num_layers)
             labels = [source_label(x, num_layers) for x in (src, *alts)]

@@ -3,6 +3,7 @@
 :func:`extract_ray` runs one :class:`~hsx.scale.worker.ExtractWorker` per engine as a Ray
 actor; the driver (this process) cuts the dataset into deterministic units, commits each
 finished unit to the manifest exactly once and retries a unit whose worker died on another.
+:class:`~hsx.scale.stream.RaySource` feeds the online feed (:mod:`hsx.feed`) from such workers.
 Importing this package does not import Ray.
 """
 
@@ -15,4 +16,11 @@ def extract_ray(cfg, *, overwrite: bool = False, progress: bool = True):
     return run(cfg, overwrite=overwrite, progress=progress)
 
 
-__all__ = ["extract_ray"]
+def ray_source(cfg, ahead_units: int = 1):
+    """The online feed's records from engine workers on Ray: a :class:`hsx.scale.stream.RaySource`."""
+    from hsx.scale.stream import RaySource
+
+    return RaySource(cfg, ahead_units)
+
+
+__all__ = ["extract_ray", "ray_source"]

@@ -12,7 +12,6 @@ leaves uncommitted files (ignored by readers, listed by ``hsx verify``).
 
 from __future__ import annotations
 
-import json
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -21,12 +20,12 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from hsx.config import ExtractConfig
+from hsx.core import RunSummary, open_rows
 from hsx.errors import HsxError
-from hsx.pipeline import RunSummary, _prepare_output, check_resume
+from hsx.output import open_manifest, prepare_output
 from hsx.scale.worker import ExtractWorker
 from hsx.shards.lock import OutputLock
-from hsx.shards.manifest import (CONFIG, ErrorRecord, Manifest, ShardEntry, atomic_write_bytes, publish, save_manifest,
-                                 shard_path)
+from hsx.shards.manifest import ErrorRecord, Manifest, ShardEntry, publish, save_manifest, shard_path
 
 MAX_RESTARTS = 3  # per worker, done by Ray
 MAX_ATTEMPTS = 3  # per unit: a unit that kills this many workers stops the run
@@ -57,7 +56,15 @@ def plan_units(cfg: ExtractConfig, id_values: list | None, num_rows: int) -> lis
     return units
 
 
-def _connect(cfg: ExtractConfig) -> bool:
+def dataset_units(cfg: ExtractConfig, rows) -> list[Unit]:
+    """:func:`plan_units` over a dataset's rows, naming them by ``cfg.id_field``."""
+    if cfg.id_field is not None and cfg.id_field not in rows.column_names:
+        raise HsxError(f"--id-field {cfg.id_field!r} is not a column of the dataset; its columns are {rows.column_names}")
+    id_values = list(rows[cfg.id_field]) if cfg.id_field else None
+    return plan_units(cfg, id_values, len(rows))
+
+
+def connect(cfg: ExtractConfig) -> bool:
     """Join or start Ray; True if this call started it (and so should shut it down)."""
     import ray
 
@@ -86,6 +93,38 @@ def _resources(cfg: ExtractConfig) -> tuple[int, float, float]:
             raise HsxError(f"{workers} workers x {each:g} {name} need {workers * each:g} {name}s; the Ray cluster "
                            f"has {total.get(name, 0):g}. Lower --num-workers or --{name.lower()}s-per-worker, or add nodes")
     return workers, cfg.cpus_per_worker, gpus
+
+
+def start_workers(cfg: ExtractConfig, dataset_meta: dict, column_names: list[str]) -> list:
+    """One :class:`ExtractWorker` actor per engine the cluster has room for (:func:`_resources`)."""
+    import ray
+
+    n, cpus, gpus = _resources(cfg)
+    remote = ray.remote(ExtractWorker).options(num_cpus=cpus, num_gpus=gpus, max_restarts=MAX_RESTARTS,
+                                               max_task_retries=0)
+    return [remote.remote(cfg.to_dict(), dataset_meta, column_names) for _ in range(n)]
+
+
+def describe_workers(actors: list) -> dict:
+    """The run's metadata once every worker has started; refuses workers that failed or that
+    describe different runs (another hsx, model or library on some machine)."""
+    import ray
+    from ray.exceptions import RayActorError
+
+    try:
+        infos = ray.get([a.describe.remote() for a in actors])
+    except RayActorError as e:
+        raise HsxError(f"a worker could not start: {e}") from None
+    for info in infos:
+        if info["error"]:
+            raise HsxError(f"worker on host {info['host']}: {info['error']}")
+    metadata = infos[0]["metadata"]
+    for info in infos[1:]:
+        if info["metadata"] != metadata:
+            differs = sorted(k for k in metadata if metadata.get(k) != info["metadata"].get(k))
+            raise HsxError(f"workers on {infos[0]['host']} and {info['host']} describe different runs "
+                           f"(metadata fields {differs}): every machine needs the same hsx, model and libraries")
+    return metadata
 
 
 class _Pool:
@@ -125,7 +164,7 @@ def extract_ray(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool =
     out = Path(cfg.output)
     with OutputLock(out):
         t0 = time.perf_counter()  # the summary's seconds include Ray's start and the engines'
-        started = _connect(cfg)
+        started = connect(cfg)
         try:
             return _drive(cfg, out, overwrite, progress, t0)
         finally:
@@ -137,44 +176,18 @@ def extract_ray(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool =
 
 def _drive(cfg: ExtractConfig, out: Path, overwrite: bool, progress: bool, t0: float) -> RunSummary:
     import ray
-    from ray.exceptions import RayActorError
 
-    from hsx.data.load import describe, load_rows
+    resume = prepare_output(out, cfg, overwrite)
+    rows, dataset_meta = open_rows(cfg)
+    units = dataset_units(cfg, rows)
 
-    resume = _prepare_output(out, cfg, overwrite)
-    rows_all = load_rows(cfg.dataset, cfg.split)
-    dataset_meta = describe(rows_all, cfg.dataset, cfg.split)
-    rows = rows_all.select(range(min(cfg.limit, len(rows_all)))) if cfg.limit is not None else rows_all
-    if cfg.id_field is not None and cfg.id_field not in rows.column_names:
-        raise HsxError(f"--id-field {cfg.id_field!r} is not a column of the dataset; its columns are {rows.column_names}")
-    id_values = list(rows[cfg.id_field]) if cfg.id_field else None
-    units = plan_units(cfg, id_values, len(rows))
-
-    n, cpus, gpus = _resources(cfg)
-    remote = ray.remote(ExtractWorker).options(num_cpus=cpus, num_gpus=gpus, max_restarts=MAX_RESTARTS,
-                                               max_task_retries=0)
-    pool = _Pool([remote.remote(cfg.to_dict(), dataset_meta, rows.column_names) for _ in range(n)])
+    actors = start_workers(cfg, dataset_meta, rows.column_names)
+    pool = _Pool(actors)
     try:
-        try:
-            infos = ray.get([a.describe.remote() for a in pool.actors])
-        except RayActorError as e:
-            raise HsxError(f"a worker could not start: {e}") from None
-        for info in infos:
-            if info["error"]:
-                raise HsxError(f"worker on host {info['host']}: {info['error']}")
-        metadata = infos[0]["metadata"]
-        for info in infos[1:]:
-            if info["metadata"] != metadata:
-                differs = sorted(k for k in metadata if metadata.get(k) != info["metadata"].get(k))
-                raise HsxError(f"workers on {infos[0]['host']} and {info['host']} describe different runs "
-                               f"(metadata fields {differs}): every machine needs the same hsx, model and libraries")
-        resume = check_resume(out, resume, metadata)
-        manifest = resume or Manifest(metadata=metadata, config_hash=cfg.fingerprint())
-        atomic_write_bytes(out / CONFIG, json.dumps(cfg.to_dict(), indent=1).encode())
-        if resume is None:
-            save_manifest(out, manifest)
+        metadata = describe_workers(actors)
+        manifest = open_manifest(out, cfg, resume, metadata)
         publish(out, manifest.shards)  # units a crash left committed but not yet renamed
-        summary = RunSummary(str(out), workers=n)
+        summary = RunSummary(str(out), workers=len(actors))
         _schedule(out, rows, units, pool, manifest, summary, progress, t0)
     finally:
         for a in pool.actors:

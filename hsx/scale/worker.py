@@ -2,9 +2,10 @@
 
 Plain Python (no Ray import): the driver wraps :class:`ExtractWorker` with ``ray.remote``. A
 unit is a list of ``(source index, row)`` pairs; the worker renders, batches and runs them
-exactly as the single-process path does (the same functions), writes its shards under names
+exactly as the single-process path does (:func:`hsx.core.results`), writes its shards under names
 no other worker or attempt can produce, and returns their manifest entries. It never touches
-the manifest: the driver alone commits (and renames the shards to their visible names).
+the manifest: the driver alone commits (and renames the shards to their visible names). For the online feed (:meth:`ExtractWorker.stream_unit`)
+it hands the unit's records back instead (:func:`encode_item`) and writes nothing.
 """
 
 from __future__ import annotations
@@ -16,20 +17,47 @@ from dataclasses import asdict
 from pathlib import Path
 
 from hsx.config import ExtractConfig
+import numpy as np
+import torch
+
+from hsx.core import Failure, Resumed, RunSummary, make_renderer, results, run_metadata, write_results
 from hsx.errors import HsxError
-from hsx.pipeline import RunSummary, _pending_prompts, _run_metadata, make_renderer, run_prompts
-from hsx.shards.manifest import Manifest
 from hsx.shards.background import BackgroundSink
+from hsx.shards.manifest import Manifest
+from hsx.shards.writer import Record
+
+
+def encode_item(item: Record | Failure) -> dict:
+    """A record or failure as plain values and numpy arrays, for the trip back to the driver
+    (bfloat16 rows travel as their int16 bit patterns: numpy has no bfloat16)."""
+    if isinstance(item, Failure):
+        return {"failure": asdict(item)}
+    item.wait()
+    hidden = {name: (h.contiguous().view(torch.int16) if h.dtype == torch.bfloat16 else h.contiguous()).numpy()
+              for name, h in item.hidden.items()}
+    return {"sample_id": item.sample_id, "source_index": item.source_index, "input_ids": item.input_ids.numpy(),
+            "prompt_len": item.prompt_len, "loss_mask": item.loss_mask.numpy(), "finish_reason": item.finish_reason,
+            "hidden": hidden, "bfloat16": [name for name, h in item.hidden.items() if h.dtype == torch.bfloat16],
+            "accept_lens": None if item.accept_lens is None else item.accept_lens.numpy(),
+            "verify_steps": item.verify_steps}
+
+
+def decode_item(d: dict) -> Record | Failure:
+    """The inverse of :func:`encode_item`; tensors own their memory (copies of the arrays received)."""
+    if "failure" in d:
+        return Failure(**d["failure"])
+
+    def tensor(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.array(a))
+
+    hidden = {name: tensor(a).view(torch.bfloat16) if name in d["bfloat16"] else tensor(a) for name, a in d["hidden"].items()}
+    return Record(d["sample_id"], d["source_index"], tensor(d["input_ids"]), d["prompt_len"], tensor(d["loss_mask"]),
+                  d["finish_reason"], hidden, None if d["accept_lens"] is None else tensor(d["accept_lens"]), d["verify_steps"])
 
 
 def unit_shard_name(unit: int, attempt: str, part: int) -> str:
     """``shard-<unit>-<attempt>-<part>.parquet``: the attempt is drawn afresh by every call."""
     return f"shard-{unit:06d}-{attempt}-{part:02d}.parquet"
-
-
-class _NoBar:
-    def update(self, n: int = 1) -> None:
-        pass
 
 
 class ExtractWorker:
@@ -41,7 +69,7 @@ class ExtractWorker:
         try:
             self.engine = build_engine(self.cfg)
             self.renderer, chat_template = make_renderer(self.cfg, self.engine, column_names)
-            self.metadata = _run_metadata(self.cfg, self.engine, chat_template, dataset_meta)
+            self.metadata = run_metadata(self.cfg, self.engine, chat_template, dataset_meta)
         except HsxError as e:  # reported by describe(), so the driver can show the message as it is
             self.error = str(e)
 
@@ -61,11 +89,17 @@ class ExtractWorker:
                          max_shard_samples=cfg.max_shard_samples,
                          names=lambda part: unit_shard_name(unit, attempt, part), persist=False)
         summary = RunSummary(str(out))
-        prompts = _pending_prompts(rows, self.renderer, set(done), sink, summary, _NoBar())
         try:
-            run_prompts(self.engine, prompts, sink, summary, cfg, lambda n: None)
+            write_results(results(self.engine, rows, self.renderer, cfg, set(done)), sink, summary)
         finally:
             sink.close(complete=False)
         return {"unit": unit, "pid": os.getpid(), "host": socket.gethostname(),
                 "shards": [asdict(s) for s in manifest.shards], "errors": [asdict(e) for e in manifest.errors],
                 "summary": asdict(summary)}
+
+    def stream_unit(self, rows: list) -> list[dict]:
+        """Run one unit for the online feed: its records and failures (:func:`encode_item`), no shards."""
+        if self.error:
+            raise HsxError(self.error)
+        return [encode_item(item) for item in results(self.engine, rows, self.renderer, self.cfg)
+                if not isinstance(item, Resumed)]

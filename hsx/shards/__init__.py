@@ -1,12 +1,29 @@
 """The shard format: writer, manifest, reader, verification (docs/FORMAT.md)."""
 
-from hsx.shards.background import BackgroundSink
-from hsx.shards.format import FORMAT_VERSION, build_metadata
-from hsx.shards.manifest import ErrorRecord, Manifest, ShardEntry, load_manifest
-from hsx.shards.reader import Sample, ShardDataset, TokenMatrix, open_shards
-from hsx.shards.writer import Record, ShardSink, ShardWriter
+from importlib import import_module
 
-__all__ = [
-    "FORMAT_VERSION", "build_metadata", "ErrorRecord", "Manifest", "ShardEntry", "load_manifest",
-    "Sample", "ShardDataset", "TokenMatrix", "open_shards", "Record", "ShardSink", "ShardWriter", "BackgroundSink",
-]
+# Names load on first use: importing a torch-free submodule (the CLI's checks before any model
+# loads) does not import the rest of the package.
+_EXPORTS = {
+    "BackgroundSink": "hsx.shards.background",
+    "FORMAT_VERSION": "hsx.shards.format",
+    "build_metadata": "hsx.shards.format",
+    "ErrorRecord": "hsx.shards.manifest",
+    "Manifest": "hsx.shards.manifest",
+    "ShardEntry": "hsx.shards.manifest",
+    "load_manifest": "hsx.shards.manifest",
+    "Sample": "hsx.shards.reader",
+    "ShardDataset": "hsx.shards.reader",
+    "TokenMatrix": "hsx.shards.reader",
+    "open_shards": "hsx.shards.reader",
+    "Record": "hsx.shards.writer",
+    "ShardSink": "hsx.shards.writer",
+    "ShardWriter": "hsx.shards.writer",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)

@@ -146,7 +146,8 @@ def check_schema(schema: pa.Schema, meta: dict, where: str) -> None:
 
 
 class Sample:
-    """One sequence. Hidden states: ``s.hidden(name)`` -> read-only ``[rows, W]`` view; row j is position j."""
+    """One sequence. Hidden states: ``s.hidden(name)`` -> read-only ``[rows, W]`` view; row j is the state
+    at token position ``s.positions[j]`` (position j, every one the mode covers, unless the run used ``--keep``)."""
 
     __slots__ = ("_shard", "_row", "index")
 
@@ -175,6 +176,15 @@ class Sample:
         return torch.from_numpy(pos)
 
     def hidden(self, name: str) -> torch.Tensor:
+        """Column ``name`` of this sample: ``[rows, W]`` in the shards' dtype (``metadata["dtype"]``:
+        bfloat16, float16 or float32), W the column's width (a column of several sources, such as
+        ``eagle3``, holds them side by side in the order its ``metadata["layers"]`` entry lists).
+
+        A read-only view of the shard's memory, not a copy: writing to it raises; ``.clone()`` (or
+        ``.float()``) to modify. Row j is the state after consuming token ``positions[j]`` (it predicts
+        token ``positions[j] + 1``): without ``--keep``, position j, ``N - 1`` rows in generate mode and
+        ``N`` in prefill mode for N tokens; under ``--keep`` only the positions its rule keeps, in order.
+        """
         return self._shard.hidden(name, self._row)
 
     def __repr__(self) -> str:
@@ -247,6 +257,7 @@ class ShardDataset:
         self._starts = starts
         # global sample i -> (shard k, row): kept as one array of flat indices into the shards
         self._index = np.arange(starts[-1]) if index is None else index
+        self._by_id: dict[str, int] | None = None  # sample id -> index, built on the first lookup by id
 
     @property
     def columns(self) -> list[str]:
@@ -270,7 +281,10 @@ class ShardDataset:
         k = int(np.searchsorted(self._starts, flat, side="right")) - 1
         return k, flat - int(self._starts[k])
 
-    def __getitem__(self, i: int) -> Sample:
+    def __getitem__(self, i: int | str) -> Sample:
+        """Sample ``i`` in dataset order (negative from the end), or the sample whose id is ``i``."""
+        if isinstance(i, str):
+            return self[self._index_of(i)]
         if not -len(self) <= i < len(self):
             raise IndexError(f"sample index {i} out of range for {len(self)} samples")
         i = i % len(self)
@@ -280,6 +294,13 @@ class ShardDataset:
     def __iter__(self) -> Iterator[Sample]:
         for i in range(len(self)):
             yield self[i]
+
+    def _index_of(self, sample_id: str) -> int:
+        if self._by_id is None:
+            self._by_id = {sid: j for j, sid in enumerate(self.sample_ids)}
+        if sample_id not in self._by_id:
+            raise KeyError(f"sample id {sample_id!r} is not in this dataset ({len(self)} samples)")
+        return self._by_id[sample_id]
 
     @property
     def sample_ids(self) -> list[str]:
@@ -311,7 +332,8 @@ class ShardDataset:
         return whole if in_order else whole.take(pa.array(self._index))  # a select() view picks and reorders
 
     def tokens(self, name: str, shard: int | None = None) -> TokenMatrix:
-        """All rows of column ``name`` (one shard, or every shard concatenated) with their sample and position."""
+        """All rows of column ``name`` (one shard, or every shard) with their sample and position, in dataset
+        order: samples as ``ds[i]`` numbers them, each one's rows in position order."""
         if name not in self.columns:
             raise KeyError(f"no hidden-state column {name!r}; columns: {self.columns}")
         shards = range(len(self._paths)) if shard is None else [shard]
@@ -331,20 +353,24 @@ class ShardDataset:
                 owner.append(global_of[labels.owner + int(self._starts[k] + base)])
                 pos.append(labels.position)
                 tok.append(labels.token_id)
-        keep = np.concatenate(owner) >= 0 if owner else np.zeros(0, bool)
-        if len(hidden) == 1:
-            h = hidden[0]  # one row group: a zero-copy view
-        else:  # a single-threaded byte copy: torch.cat's threaded copy stalls on a busy machine
-            parts = [t.view(torch.uint8).numpy().reshape(-1) for t in hidden if t.numel()]
-            raw = np.concatenate(parts) if parts else np.zeros(0, np.uint8)
-            h = torch.from_numpy(raw).view(dtype).view(-1, width) if raw.size else torch.empty((0, width), dtype=dtype)
-        cat = lambda xs: torch.from_numpy(np.concatenate(xs).astype(np.int64)) if xs else torch.zeros(0, dtype=torch.int64)
+        cat = lambda xs: np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, dtype=np.int64)
         sample_index, position, token_id = cat(owner), cat(pos), cat(tok)
-        if not keep.all():
-            m = torch.from_numpy(keep)
-            h, sample_index, position, token_id = h[m], sample_index[m], position[m], token_id[m]
+        # rows in dataset order; samples outside a select() view (index -1) are dropped
+        order = np.flatnonzero(sample_index >= 0)
+        order = order[np.argsort(sample_index[order], kind="stable")]
+        in_place = len(order) == len(sample_index) and bool(np.all(order == np.arange(len(order))))
+        if len(hidden) == 1 and in_place:
+            h = hidden[0]  # one row group in order: a zero-copy view
+        else:  # single-threaded byte copies: torch.cat's threaded copy stalls on a busy machine
+            parts = [t.view(torch.uint8).numpy().reshape(t.shape[0], -1) for t in hidden if t.numel()]
+            raw = np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else np.zeros((0, 1), np.uint8)
+            if not in_place:
+                raw = np.take(raw, order, axis=0) if len(order) else raw[:0]
+            h = _np_to_torch(np.ascontiguousarray(raw)).view(dtype).view(-1, width) if raw.size else \
+                torch.empty((0, width), dtype=dtype)
+        as_torch = lambda a: torch.from_numpy(a if in_place else a[order])
         # the same contract whether h is a view or a copy: read-only, clone to modify
-        return TokenMatrix(read_only(h), sample_index, position, token_id)
+        return TokenMatrix(read_only(h), as_torch(sample_index), as_torch(position), as_torch(token_id))
 
     def __repr__(self) -> str:
         return f"ShardDataset({len(self)} samples, {len(self._paths)} shards, columns={self.columns})"

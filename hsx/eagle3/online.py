@@ -1,0 +1,57 @@
+"""EAGLE3 training samples straight from a run (:class:`hsx.feed.Feed`), with no shards in between.
+
+:class:`Eagle3Stream` yields the dicts :class:`~hsx.eagle3.dataset.Eagle3Dataset` gives for the
+shards of ``hsx extract`` with the same config (same keys, shapes, dtypes and bits, in the same
+source order), so ``DataLoader(stream, batch_size=B, collate_fn=collate)`` and
+:func:`~hsx.eagle3.dataset.shift_for_draft` make the same batches as the offline path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator, Mapping
+
+import torch
+
+from hsx.align.layers import EAGLE3, FINAL
+from hsx.config import ExtractConfig
+from hsx.eagle3.dataset import check_eagle3_layout, eagle3_sample, load_draft_config
+from hsx.errors import HsxError
+from hsx.feed import DEFAULT_AHEAD, Feed
+from hsx.shards.writer import Record
+
+
+class Eagle3Stream(torch.utils.data.IterableDataset):
+    """EAGLE3 samples of the run ``config`` describes, as the engine produces them.
+
+    A bad row or a sample the engine gave up on is skipped: it is in ``failures`` (and
+    ``summary.errors``), as ``extract`` would record it. Each iteration is one pass over the
+    dataset (the engine runs again). ``ahead``, ``ordered`` and ``progress`` go to the feed.
+    """
+
+    def __init__(self, config: ExtractConfig | dict | str | Path, draft_config: str | Path | Mapping | None = None, *,
+                 max_len: int | None = None, dtype: torch.dtype = torch.bfloat16, ahead: int = DEFAULT_AHEAD,
+                 ordered: bool = True, progress: bool = False):
+        if max_len is not None and max_len < 1:
+            raise HsxError(f"max_len must be >= 1, got {max_len}")
+        self.feed = Feed(config, ahead=ahead, ordered=ordered, progress=progress)
+        self.layout = check_eagle3_layout(self.feed.metadata, load_draft_config(draft_config), "the stream's run")
+        self.max_len, self.dtype = max_len, dtype
+
+    @property
+    def metadata(self) -> dict:
+        return self.feed.metadata
+
+    @property
+    def summary(self):
+        return self.feed.summary
+
+    @property
+    def failures(self):
+        return self.feed.failures
+
+    def __iter__(self) -> Iterator[dict]:
+        for item in self.feed:
+            if isinstance(item, Record):
+                yield eagle3_sample(self.layout, item.sample_id, item.input_ids, item.loss_mask, item.hidden[EAGLE3],
+                                    item.hidden[FINAL], max_len=self.max_len, dtype=self.dtype)

@@ -1,0 +1,87 @@
+"""What every export shares: atomic files, a destination that stays inside itself, the export record.
+
+An export directory carries ``hsx_export.json``: which shards it came from (a fingerprint of their
+metadata), the export's own parameters and, once finished, ``complete: true`` with counts. A
+re-run against the same source and parameters resumes; a directory exported from other shards or
+with other parameters is refused rather than mixed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Callable
+
+from hsx.errors import HsxError
+from hsx.shards.manifest import fsync_dir
+
+INFO = "hsx_export.json"
+
+
+def atomic_write(path: Path, write: Callable) -> int:
+    """Write through ``write(file)`` to a hidden temp file beside ``path``, fsync, rename; returns bytes."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        size = tmp.stat().st_size
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+    return size
+
+
+def write_json(path: Path, obj) -> None:
+    atomic_write(path, lambda f: f.write(json.dumps(obj, indent=1).encode()))
+
+
+def inside(dst: Path, path: Path) -> Path:
+    """``path`` (under ``dst``) with no symbolic link on the way: writes must stay inside ``dst``."""
+    p = dst
+    for part in path.relative_to(dst).parts:
+        p = p / part
+        if p.is_symlink():
+            raise HsxError(f"{p} is a symbolic link; refusing to write through it (export into a fresh directory)")
+    return path
+
+
+def fingerprint(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def clean_temps(directory: Path) -> None:
+    """Remove temp files a crashed export left in ``directory``."""
+    if directory.is_dir() and not directory.is_symlink():
+        for tmp in directory.glob(".*.tmp-*"):
+            if tmp.is_file() and not tmp.is_symlink():
+                tmp.unlink()
+
+
+def claim(dst: Path, info: dict, foreign: Callable[[Path], bool]) -> None:
+    """Make ``dst`` this export's directory: refuse another export's, or files that look foreign.
+
+    ``info`` must hold ``source_fingerprint``; an existing record must have the same one, else
+    the directory belongs to another export. Without a record, ``foreign(dst)`` says whether what
+    is there already would be mixed with this export's files.
+    """
+    if dst.is_symlink():
+        raise HsxError(f"{dst} is a symbolic link; give the real directory")
+    dst.mkdir(parents=True, exist_ok=True)
+    path = dst / INFO
+    if path.exists():
+        try:
+            old = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            old = {}
+        if old.get("format") != info["format"] or old.get("source_fingerprint") != info["source_fingerprint"]:
+            raise HsxError(f"{dst} holds another export ({old.get('format')!r} of {old.get('source')!r}, other "
+                           "shards or parameters); export into a new directory")
+    elif foreign(dst):
+        raise HsxError(f"{dst} already holds files but no {INFO}: not an hsx export; export into a new directory")
+    write_json(path, {**info, "complete": False})

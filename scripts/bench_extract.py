@@ -198,7 +198,9 @@ def hsx_side(args, work: Path, w: dict, mode: str, spec: bool, out_name: str, ta
     out = work / out_name
     cmd = [sys.executable, "-m", "hsx.cli", "extract", "--model", str(w[target]), "--dataset", str(w[mode]),
            "--id-field", "id", "--output", str(out), "--mode", mode, "--layers", "final", "--dtype", "bfloat16",
-           "--model-dtype", "bfloat16", "--batch-size", str(args.batch_size), "--device", "cpu", "--quiet"]
+           "--model-dtype", "bfloat16", "--batch-size", str(args.batch_size), "--device", "cpu"]
+    # not --quiet: the run's summary says how long the engine waited on the shard writer (its progress
+    # bar goes to stderr, redrawn at most 10 times a second)
     if mode == "generate":
         cmd += ["--max-new-tokens", str(args.max_new_tokens)]
     if spec:

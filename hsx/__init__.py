@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 
 from hsx.errors import AlignmentError, HsxError, SampleError, ShardError  # noqa: E402
 
-__all__ = ["__version__", "HsxError", "AlignmentError", "SampleError", "ShardError", "open", "stream", "tokens_loader"]
+__all__ = ["__version__", "HsxError", "AlignmentError", "SampleError", "ShardError", "open", "stream", "tokens_loader", "decode"]
 
 # name -> the module that defines it, imported when the name is first used
 _LAZY = {"extract": "hsx.pipeline", "RunSummary": "hsx.pipeline", "ExtractConfig": "hsx.config"}
@@ -54,3 +54,10 @@ def stream(config, **kwargs):
     from hsx.feed import Feed
 
     return Feed(config, **kwargs)
+
+
+def decode(cell, width, dtype="bfloat16", codec="planes-zstd"):
+    """One hidden-state cell as pandas or pyarrow read it -> ``[rows, W]`` numpy array; see :func:`hsx.shards.format.decode`."""
+    from hsx.shards.format import decode as run
+
+    return run(cell, width, dtype, codec)

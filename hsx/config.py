@@ -64,7 +64,7 @@ class ExtractConfig:
     spec_algorithm: str | None = None  # --engine sglang: EAGLE or EAGLE3 (the hf engine runs --draft-model)
     sglang_capture: Literal["tensors", "lists"] = "tensors"  # --engine sglang: hsx's capture, or SGLang's float lists
     # output layout
-    compression: Literal["none", "zstd"] = "none"
+    compression: Literal["planes-zstd", "zstd", "none"] = "planes-zstd"  # hidden-state codec (hsx.shards.format.CODECS)
     max_shard_mb: int = 512
     max_shard_samples: int = 100_000
     # engine pass-through (sglang.Engine keyword arguments)
@@ -80,7 +80,7 @@ class ExtractConfig:
     # Fields that change neither which samples exist nor their values: a resumed run may differ in them.
     # (The batching fields are among them: they change a row's bits, within the engines' tolerance,
     # never which samples exist; a window is re-run whole on resume, see hsx.core.results.)
-    _LAYOUT_ONLY = ("output", "limit", "batch_size", "max_batch_tokens", "window", "max_shard_mb", "max_shard_samples", "compression",
+    _LAYOUT_ONLY = ("output", "limit", "batch_size", "max_batch_tokens", "window", "max_shard_mb", "max_shard_samples",
                     "ray", "ray_address", "num_workers", "cpus_per_worker", "gpus_per_worker", "unit_size")
 
     def validate(self, *, output: bool = True) -> "ExtractConfig":
@@ -95,6 +95,8 @@ class ExtractConfig:
             raise HsxError(f"--mode must be generate or prefill, got {self.mode!r}")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise HsxError(f"--dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.compression not in ("planes-zstd", "zstd", "none"):
+            raise HsxError(f"--compression must be planes-zstd, zstd or none, got {self.compression!r}")
         if self.batch_size < 1 or self.max_new_tokens < 1:
             raise HsxError("--batch-size and --max-new-tokens must be >= 1")
         if self.max_batch_tokens is not None and self.max_batch_tokens < 1:

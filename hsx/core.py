@@ -176,6 +176,7 @@ def run_metadata(cfg: ExtractConfig, engine, chat_template: str | None, dataset_
         speculative=engine.describe_speculative(),
         dataset=dataset_meta,
         keep=cfg.keep,
+        codec=cfg.compression,
         sampling=sampling if cfg.mode == "generate" else None,
         config_hash=cfg.fingerprint(),
     )

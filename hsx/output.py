@@ -9,7 +9,8 @@ from pathlib import Path
 from hsx.config import ExtractConfig
 from hsx.errors import HsxError
 from hsx.shards.lock import LOCK
-from hsx.shards.manifest import CONFIG, MANIFEST, Manifest, atomic_write_bytes, load_manifest, save_manifest
+from hsx.shards.manifest import (CONFIG, LEGACY_CONFIG, LEGACY_MANIFEST, MANIFEST, Manifest, atomic_write_bytes,
+                                 load_manifest, manifest_path, save_manifest)
 
 
 def differences(old, new, prefix: str = "") -> list[str]:
@@ -55,7 +56,7 @@ def prepare_output(out: Path, cfg: ExtractConfig, overwrite: bool) -> Manifest |
     An output whose manifest commits nothing yet (a run stopped before its first shard, e.g. by a
     dataset it could not read) holds nothing to lose: a new run replaces it without ``--overwrite``.
     """
-    if (out / MANIFEST).exists():
+    if manifest_path(out).exists():
         m = load_manifest(out)
         if m.config_hash == cfg.fingerprint() and not overwrite:
             return m
@@ -66,7 +67,7 @@ def prepare_output(out: Path, cfg: ExtractConfig, overwrite: bool) -> Manifest |
         raise HsxError(f"{out} exists, is not empty and has no {MANIFEST}; refusing to write into it (use --overwrite)")
     if overwrite and out.exists():
         for p in out.iterdir():
-            if p.name in (MANIFEST, CONFIG) or p.name.startswith(("shard-", ".shard-", f".{MANIFEST}")):
+            if p.name in (MANIFEST, CONFIG, LEGACY_MANIFEST, LEGACY_CONFIG) or p.name.startswith(("shard-", ".shard-", f".{MANIFEST}", f".{LEGACY_MANIFEST}")):
                 p.unlink() if p.is_file() else shutil.rmtree(p)
     return None
 

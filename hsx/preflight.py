@@ -32,7 +32,7 @@ from hsx.config import ExtractConfig
 from hsx.data.files import FILE_BUILDERS, check_has_rows
 from hsx.errors import HsxError
 from hsx.output import config_refusal
-from hsx.shards.manifest import MANIFEST, load_manifest
+from hsx.shards.manifest import load_manifest, manifest_path
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
@@ -265,7 +265,7 @@ def _saved_columns(path: Path, source: str, split: str) -> list[str] | None:
 def check_output(cfg: ExtractConfig, overwrite: bool) -> None:
     """An output holding another run's shards is refused here as the run itself would refuse it."""
     out = Path(cfg.output)
-    if overwrite or not (out / MANIFEST).is_file():
+    if overwrite or not manifest_path(out).is_file():
         return
     m = load_manifest(out)
     if m.shards and m.config_hash != cfg.fingerprint():

@@ -111,7 +111,7 @@ def format_verify(r) -> str:
     for name in r.ignored:
         lines.append(f"  ignored  {name} (not in the manifest: a leftover of an interrupted write; readers skip it)")
     if r.errors:
-        lines.append(f"  note   {r.errors} sample(s) recorded as input errors (see manifest.json 'errors')")
+        lines.append(f"  note   {r.errors} sample(s) recorded as input errors (see the manifest's 'errors')")
     bad = sum(1 for s in r.shards if s.faults) + (1 if r.faults else 0)
     lines.append("verify: OK" if r.ok else f"verify: FAILED ({bad} shard(s) or manifest with faults)")
     return "\n".join(lines)
@@ -120,10 +120,10 @@ def format_verify(r) -> str:
 def format_interrupted(output: str) -> str:
     """What a Ctrl-C left behind: the samples the output's manifest commits, and how to go on."""
     from hsx.errors import ShardError
-    from hsx.shards.manifest import MANIFEST, load_manifest
+    from hsx.shards.manifest import load_manifest, manifest_path
 
     try:
-        m = load_manifest(output) if (Path(output) / MANIFEST).is_file() else None
+        m = load_manifest(output) if manifest_path(Path(output)).is_file() else None
     except ShardError:
         m = None
     if m is None:
@@ -140,13 +140,15 @@ def format_run(s) -> str:
         f"to {s.output} in {s.seconds:.1f} s, start-up included ({rate:,.0f} tokens/s)",
         f"  shards on disk: {s.bytes / 1e6:,.1f} MB in total",
     ]
+    if not s.workers:  # under --ray each worker has its own writer
+        lines.append(f"  shard writer: the engine waited {s.writer_blocked_s:.2f} s on it (its threads busy {s.writer_busy_s:.1f} s)")
     if s.workers:
         lines.append(f"  ray: {s.workers} workers" + (f"; {s.retried} unit(s) retried on another worker after "
                                                       "theirs was lost" if s.retried else ""))
     if s.resumed:
         lines.append(f"  resumed: {s.resumed:,} samples were already done and were skipped")
     if s.errors:
-        lines.append(f"  input errors: {s.errors:,} samples recorded in manifest.json 'errors' (see hsx inspect)")
+        lines.append(f"  input errors: {s.errors:,} samples recorded in the manifest's 'errors' (see hsx inspect)")
     if s.mean_accept_len is not None:
         lines.append(f"  speculative: mean accept length {s.mean_accept_len:.2f} over {s.verify_steps:,} verify steps")
     return "\n".join(lines)

@@ -44,6 +44,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -197,7 +198,9 @@ def hsx_side(args, work: Path, w: dict, mode: str, spec: bool, out_name: str, ta
     out = work / out_name
     cmd = [sys.executable, "-m", "hsx.cli", "extract", "--model", str(w[target]), "--dataset", str(w[mode]),
            "--id-field", "id", "--output", str(out), "--mode", mode, "--layers", "final", "--dtype", "bfloat16",
-           "--model-dtype", "bfloat16", "--batch-size", str(args.batch_size), "--device", "cpu", "--quiet"]
+           "--model-dtype", "bfloat16", "--batch-size", str(args.batch_size), "--device", "cpu"]
+    # not --quiet: the run's summary says how long the engine waited on the shard writer (its progress
+    # bar goes to stderr, redrawn at most 10 times a second)
     if mode == "generate":
         cmd += ["--max-new-tokens", str(args.max_new_tokens)]
     if spec:
@@ -215,6 +218,8 @@ def hsx_side(args, work: Path, w: dict, mode: str, spec: bool, out_name: str, ta
         wall, stdout = timed(cmd, args.threads, f"hsx extract ({out_name})")
         if "resumed:" in stdout:
             raise SystemExit(f"hsx extract ({out_name}) resumed an earlier output instead of running:\n{stdout}")
+        waited = re.search(r"the engine waited ([0-9.]+) s", stdout)
+        WRITER_BLOCKED_S.setdefault(out_name, []).append(float(waited.group(1)) if waited else float("nan"))
         s = inspect(out)
         if s["errors"]:
             raise SystemExit(f"hsx extract ({out_name}) recorded {s['errors']} input errors: {s['error_records'][:3]}")
@@ -222,6 +227,9 @@ def hsx_side(args, work: Path, w: dict, mode: str, spec: bool, out_name: str, ta
         return wall, {"samples": s["samples"], "tokens": s["tokens"], "prompt_tokens": s["prompt_tokens"],
                       "new_tokens": s["completion_tokens"], "rows": s["rows_per_column"], "mean_accept_len": acc}
     return run
+
+
+WRITER_BLOCKED_S: dict[str, list[float]] = {}  # hsx output -> seconds its engine waited on the shard writer, per run
 
 
 def bare_side(args, w: dict, mode: str, target: str = "target"):
@@ -341,6 +349,9 @@ def print_report(args, results: dict) -> None:
     if "generate-eos" in results:
         print(f"\ngenerate-eos: completions end at eos, {results['generate-eos']['mean_new_tokens']:.1f} new tokens "
               f"per prompt on average (of {args.max_new_tokens})")
+    for name, waits in WRITER_BLOCKED_S.items():
+        print(f"hsx {name}: the engine waited on the shard writer {max(waits):.2f} s at most over {len(waits)} run(s) "
+              "(writer_blocked_s)")
     print()
     for name in ("prefill", "generate", "generate-eos"):
         if name in results:
@@ -404,7 +415,8 @@ def main(argv=None) -> None:
         assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("ratio_median", "ratio_min"))
     settings = {k: v for k, v in vars(args).items() if k not in ("json", "work")}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"settings": settings, "whole_process": True, **results}, indent=1))
+    Path(args.json).write_text(json.dumps({"settings": settings, "whole_process": True, **results,
+                                           "writer_blocked_s": WRITER_BLOCKED_S}, indent=1))
     print(f"\nwrote {args.json}")
 
 

@@ -3,8 +3,9 @@
 Every method stores the same [T, W] bfloat16 tensors:
 
   raw        one flat file, ``ndarray.tofile`` per sample, then fsync (the speed of light)
-  hsx        ``ShardSink`` with a real manifest (fsync, rename, checksum included)
-  hsx-zstd   the same with ``compression="zstd"``
+  hsx        ``ShardSink`` with a real manifest (fsync, rename, checksum included), codec ``none``
+  hsx-zstd   the same with codec ``zstd`` (Parquet zstd pages over the raw rows)
+  hsx-planes the same with codec ``planes-zstd`` (the default: byte planes + zstd), one lane
   ckpt       one ``torch.save`` file per sample, ``{input_ids, loss_mask, hidden_state [1, T, W]}``
              (SpecForge's offline layout), read with ``torch.load(weights_only=True)``; no fsync
   list       ``tensor.float().tolist()`` -> ``list<list<float32>>`` Arrow column -> Parquet; no fsync.
@@ -13,7 +14,9 @@ Every method stores the same [T, W] bfloat16 tensors:
 Reads go to torch and touch every sample: one element of each sample's [T, W] tensor is summed,
 and the sums must agree across methods (they are all bit-exact). Sizes and compression ratios
 are also measured on hidden states with more structure than random normals, including the
-output of a small randomly initialised Llama (no download).
+output of a small randomly initialised Llama (no download), and on real states: SmolLM2-135M
+(hsx.demo.pretrained) run by ``hsx extract`` over the demo chats with each codec, which prints
+``default codec: X.XXx raw, write Y MB/s/core, engine waited Z s``.
 
     python scripts/bench_format.py                      # ~300 MB, prints a table, writes bench_out/bench_format.json
     python scripts/bench_format.py --mb 1000 --json out.json
@@ -132,8 +135,9 @@ def read_raw(path: Path, rows: np.ndarray, width: int) -> float:
 
 
 def write_hsx(states, path: Path, compression: str = "none"):
-    meta = build_metadata(layers=[{"name": "final", "width": states[0].shape[1]}], dtype="bfloat16", mode="prefill")
-    with ShardSink(path, Manifest(meta), compression=compression) as sink:
+    meta = build_metadata(layers=[{"name": "final", "width": states[0].shape[1]}], dtype="bfloat16", mode="prefill",
+                          codec=compression)
+    with ShardSink(path, Manifest(meta)) as sink:
         for i, h in enumerate(states):
             n = h.shape[0]
             sink.add(Record(f"s{i}", i, torch.arange(n, dtype=torch.int32), 1, torch.ones(n, dtype=torch.uint8),
@@ -286,6 +290,7 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-samples", type=int, default=24, help="samples for the random-Llama compression figure (0: skip)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-settle", action="store_true", help="do not pre-touch memory before each timed step (see settle_memory)")
+    ap.add_argument("--no-real", dest="real", action="store_false", help="skip the SmolLM2 real-state section")
     args = ap.parse_args(argv)
 
     t_start = time.perf_counter()
@@ -308,19 +313,25 @@ def main(argv=None) -> int:
             Method("raw", write_raw, lambda p: read_raw(p, rows, args.width), states, "tofile + fsync; np.fromfile -> torch", rows),
             Method("hsx", write_hsx, read_hsx, states, "ShardSink (fsync, manifest); hsx.open, s.hidden()", rows),
             Method("hsx tokens()", None, read_hsx_tokens, states, "the hsx shards above; ds.tokens('final')", rows),
-            Method("hsx-zstd", lambda s, p: write_hsx(s, p, "zstd"), read_hsx, states, "compression='zstd'; s.hidden()", rows),
+            Method("hsx-zstd", lambda s, p: write_hsx(s, p, "zstd"), read_hsx, states, "codec zstd; s.hidden()", rows),
+            Method("hsx-planes", lambda s, p: write_hsx(s, p, "planes-zstd"), read_hsx, states,
+                   "codec planes-zstd (default), one lane; s.hidden()", rows),
             Method("ckpt", write_ckpt, lambda p: read_ckpt(p, len(states)), states, "torch.save per sample, no fsync; torch.load", rows),
             Method("list (subset)", write_list, read_list, states[:n_list],
                    f"tolist -> list<list<float32>> Parquet, no fsync; {n_list} samples ({100 * n_list / len(states):.1f}%)", rows[:n_list], subset=True),
         ]
         run_methods(methods, work, args.write_repeats, args.read_repeats, cold)
         compression = compression_table(states, rows, args, gen, work)
+        real = real_states(work) if args.real else None
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     report = build_report(methods, compression, args, cold, len(states), rows, time.perf_counter() - t_start)
     report["environment"]["load_avg_1min_at_start"] = load
+    report["real_states"] = real
     print_report(report)
+    if real:
+        print_real(real)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=1))
     print(f"\nJSON: {args.json}")
@@ -338,7 +349,7 @@ def compression_table(states, rows, args, gen, work: Path) -> list[dict]:
     out = []
     for kind, data in kinds.items():
         sizes = {}
-        for comp in ("none", "zstd"):
+        for comp in ("none", "zstd", "planes-zstd"):
             path = work / f"kind-{len(out)}-{comp}"
             seconds = timed(lambda: write_hsx(data, path, comp))[0]
             sizes[comp] = (disk_bytes(path), seconds)
@@ -346,7 +357,8 @@ def compression_table(states, rows, args, gen, work: Path) -> list[dict]:
         raw = nbytes(data)
         out.append({"kind": kind, "samples": len(data), "raw_mb": raw / MB,
                     "hsx_ratio_to_raw": sizes["none"][0] / raw, "zstd_ratio_to_raw": sizes["zstd"][0] / raw,
-                    "zstd_smaller_by": raw / sizes["zstd"][0], "zstd_write_mb_s": raw / MB / sizes["zstd"][1]})
+                    "zstd_smaller_by": raw / sizes["zstd"][0], "zstd_write_mb_s": raw / MB / sizes["zstd"][1],
+                    "planes_ratio_to_raw": sizes["planes-zstd"][0] / raw})
     return out
 
 
@@ -416,14 +428,103 @@ def print_report(r: dict) -> None:
         print(f"WARNING: load average {load:.1f} on {cpus} CPUs when the run started: other processes share the CPUs, "
               "so timings are noisy (best-of-N reduces, not removes, this).")
     print(f"checksums of one element per sample agree across full-data methods: {r['checksums_agree']}")
-    print(f"\n{'data kind':<44}{'samples':>8}{'raw MB':>8}{'hsx x raw':>11}{'zstd x raw':>12}{'zstd smaller by':>17}{'zstd write MB/s':>17}")
+    print(f"\n{'data kind':<44}{'samples':>8}{'raw MB':>8}{'hsx x raw':>11}{'zstd x raw':>12}{'zstd smaller by':>17}"
+          f"{'zstd write MB/s':>17}{'planes x raw':>14}")
     for c in r["compression"]:
         print(f"{c['kind']:<44}{c['samples']:>8}{c['raw_mb']:>8.1f}{c['hsx_ratio_to_raw']:>11.3f}"
-              f"{c['zstd_ratio_to_raw']:>12.3f}{c['zstd_smaller_by']:>16.3f}x{c['zstd_write_mb_s']:>17.0f}")
+              f"{c['zstd_ratio_to_raw']:>12.3f}{c['zstd_smaller_by']:>16.3f}x{c['zstd_write_mb_s']:>17.0f}"
+              f"{c['planes_ratio_to_raw']:>14.3f}")
     print()
     for t in r["targets"]:
         print(f"{'PASS' if t['pass'] else 'FAIL'}  {t['target']}: {t['value']:.3f} (needs {t['op']} {t['threshold']})")
     print(f"elapsed {r['elapsed_s']:.0f} s")
+
+
+# ---------------------------------------------------------------- real states
+
+
+REAL_LAYERS = "final,eagle3"
+
+
+def column_bytes(out: Path, names: list[str]) -> dict[str, int]:
+    """Compressed bytes of each named column over every committed shard (Parquet footers)."""
+    total = dict.fromkeys(names, 0)
+    for e in hsx.shards.load_manifest(out).shards:
+        md = pq.ParquetFile(out / e.file).metadata
+        for k in range(md.num_row_groups):
+            for c in range(md.num_columns):
+                col = md.row_group(k).column(c)
+                name = col.path_in_schema.split(".")[0]
+                if name in total:
+                    total[name] += col.total_compressed_size
+    return total
+
+
+def real_states(work: Path) -> dict:
+    """SmolLM2-135M over the demo chats (prefill) through ``hsx extract``, once per codec: bytes on disk of
+    the hidden columns against raw bf16, the engine's wait on the writer; then the shards' states written
+    again through one lane (MB/s per core) and read back (MB/s, against the raw layout)."""
+    from hsx.config import ExtractConfig
+    from hsx.demo.pretrained import smollm2_checkpoint
+    from hsx.pipeline import extract
+
+    model = smollm2_checkpoint()
+    data = ROOT / "hsx" / "demo_data" / "prompts.jsonl"
+    runs = {}
+    for codec in ("none", "zstd", "planes-zstd"):
+        out = work / f"real-{codec}"
+        cfg = ExtractConfig(model=str(model), dataset=str(data), output=str(out), mode="prefill", layers=REAL_LAYERS,
+                            compression=codec, id_field="id").validate()
+        summary = extract(cfg, overwrite=True, progress=False)
+        ds = hsx.open(out)
+        raw = sum(s.num_rows * g["row_bytes"] for s in ds for g in ds.metadata["layers"])
+        per_col = column_bytes(out, ds.columns)
+        hidden = sum(per_col.values())
+        col_raw = {g["name"]: sum(s.num_rows for s in ds) * g["row_bytes"] for g in ds.metadata["layers"]}
+        runs[codec] = {"raw_hidden_bytes": raw, "hidden_bytes": hidden, "ratio_to_raw": hidden / raw,
+                       "files_bytes": summary.bytes, "tokens": summary.tokens,
+                       "per_column_ratio": {n: per_col[n] / col_raw[n] for n in ds.columns},
+                       "engine_waited_s": summary.writer_blocked_s, "writer_busy_s": summary.writer_busy_s}
+    ds = hsx.open(work / "real-none")
+    records = [Record(s.sample_id, s.source_index, s.input_ids.long(), s.prompt_len, s.loss_mask.clone(), s.finish_reason,
+                      {n: s.hidden(n).clone() for n in ds.columns}) for s in ds]
+    raw = sum(h.numel() * 2 for r in records for h in r.hidden.values())
+    speed = {}
+    for codec in ("none", "planes-zstd"):
+        meta = {**ds.metadata, "codec": codec}
+        best_w = best_r = float("inf")
+        for rep in range(3):
+            path = work / f"real-speed-{codec}-{rep}"
+            t = time.perf_counter()
+            with ShardSink(path, Manifest(meta), lanes=1) as sink:
+                for r in records:
+                    sink.add(r)
+            best_w = min(best_w, time.perf_counter() - t)
+            t = time.perf_counter()
+            total = 0.0
+            for s in hsx.open(path):
+                for n in ds.columns:
+                    total += float(s.hidden(n)[0, 0]) if s.num_rows else 0.0
+            best_r = min(best_r, time.perf_counter() - t)
+        speed[codec] = {"write_mb_s_one_lane": raw / MB / best_w, "read_mb_s": raw / MB / best_r}
+    return {"model": "SmolLM2-135M-Instruct (hsx.demo.pretrained)", "data": "hsx/demo_data/prompts.jsonl, prefill",
+            "layers": REAL_LAYERS, "codecs": runs, "speed": speed}
+
+
+def print_real(r: dict) -> None:
+    print(f"\nreal states: {r['model']}, {r['data']}, layers {r['layers']}, "
+          f"{r['codecs']['none']['tokens']:,} tokens, {r['codecs']['none']['raw_hidden_bytes'] / MB:.1f} MB raw bf16")
+    print(f"{'codec':<13}{'hidden x raw':>13}  per column{'':<22}{'engine waited s':>16}")
+    for codec, c in r["codecs"].items():
+        cols = ", ".join(f"{n} {v:.3f}" for n, v in c["per_column_ratio"].items())
+        print(f"{codec:<13}{c['ratio_to_raw']:>13.3f}  {cols:<32}{c['engine_waited_s']:>16.3f}")
+    sp = r["speed"]
+    for codec, v in sp.items():
+        print(f"{codec:<13} write {v['write_mb_s_one_lane']:.0f} MB/s on one lane (one core), read {v['read_mb_s']:.0f} MB/s "
+              f"({v['read_mb_s'] / sp['none']['read_mb_s']:.2f}x the rows layout)")
+    d = r["codecs"]["planes-zstd"]
+    print(f"default codec: {d['ratio_to_raw']:.2f}x raw, write {sp['planes-zstd']['write_mb_s_one_lane']:.0f} MB/s/core, "
+          f"engine waited {d['engine_waited_s']:.2f} s")
 
 
 if __name__ == "__main__":

@@ -26,8 +26,9 @@ def layer(name: str, width: int, source: int) -> dict:
     return {"name": name, "sources": [source], "width": width, "raw_ids": None, "rule": "test group"}
 
 
-def make_metadata(widths, dtype: str = "bfloat16", mode: str = "generate") -> dict:
+def make_metadata(widths, dtype: str = "bfloat16", mode: str = "generate", codec: str = "planes-zstd") -> dict:
     return build_metadata(
+        codec=codec,
         layers=[layer(f"l{j}", w, j + 1) for j, w in enumerate(widths)],
         dtype=dtype,
         mode=mode,
@@ -103,7 +104,10 @@ def finite_records(meta: dict, tokens: list[int], seed: int = 0) -> list[Record]
     return out
 
 
-def write_sink(directory: Path, meta: dict, records: list[Record], errors=(), **sink_kwargs) -> Manifest:
+def write_sink(directory: Path, meta: dict, records: list[Record], errors=(), compression: str | None = None,
+               **sink_kwargs) -> Manifest:
+    """The records through a ShardSink; ``compression`` replaces the metadata's codec."""
+    meta = meta if compression is None else {**meta, "codec": compression}
     sink = ShardSink(directory, Manifest(meta), **sink_kwargs)
     for r in records:
         sink.add(r)

@@ -43,17 +43,18 @@ def writer_threads() -> list[threading.Thread]:
 @pytest.mark.parametrize("options", [
     {},
     {"row_group_bytes": 1, "max_shard_samples": 3, "max_pending_bytes": 1},  # a row group per record, blocking on each
-    {"row_group_bytes": 700, "max_shard_bytes": 3000, "compression": "zstd", "max_pending_bytes": 2000},
+    {"row_group_bytes": 700, "max_shard_bytes": 3000, "max_pending_bytes": 2000},
+    {"row_group_bytes": 700, "max_shard_bytes": 3000, "max_pending_bytes": 2000, "lanes": 3},
 ])
 def test_output_is_byte_identical_to_shard_sink(tmp_path, options):
     meta = make_metadata([8, 4], mode="generate")
     records = random_records(meta, [3, 9, 1, 17, 5, 2, 12, 7, 4, 6, 11], accept="mixed", seed=3)
     sync_options = {k: v for k, v in options.items() if k != "max_pending_bytes"}
     expected = feed(ShardSink(tmp_path / "sync", Manifest(meta), **sync_options), records)
-    got = feed(BackgroundSink(tmp_path / "bg", Manifest(meta), **options), records)
+    got = feed(BackgroundSink(tmp_path / "bg", Manifest(meta), **{"lanes": 1, **options}), records)
     assert got.to_json() == expected.to_json()
     assert got.complete and len(got.shards) == len(expected.shards) and len(got.errors) == 3
-    assert files(tmp_path / "bg") == files(tmp_path / "sync")  # shards and manifest.json, byte for byte
+    assert files(tmp_path / "bg") == files(tmp_path / "sync")  # shards and manifest, byte for byte
 
 
 @pytest.fixture
@@ -77,7 +78,8 @@ def test_add_blocks_while_the_queued_bytes_exceed_the_bound(tmp_path, slow_write
     big = finite_records(meta, [400], seed=2)[0]
     size = records[0].nbytes()
     bound = 3 * size
-    sink = BackgroundSink(tmp_path, Manifest(meta), row_group_bytes=1, max_pending_bytes=bound)
+    # one lane: a lane holds its row group in flight beyond the bound (BackgroundSink's docstring)
+    sink = BackgroundSink(tmp_path, Manifest(meta), row_group_bytes=1, max_pending_bytes=bound, lanes=1)
     added, outstanding = 0, []
     for r in records[:10] + [big] + records[10:]:
         sink.add(r)
@@ -117,7 +119,7 @@ def test_a_writer_error_surfaces_in_the_next_call_and_keeps_what_was_committed(t
              "commit": sink.commit, "close": sink.close}
     with pytest.raises(ShardError, match="No space left on device") as e:
         calls[observer]()
-    assert str(tmp_path) in str(e.value) and isinstance(e.value.__cause__, OSError)
+    assert str(tmp_path) in str(e.value) and isinstance(e.value.__cause__.__cause__, OSError)
     with pytest.raises(ShardError, match="No space left"):
         sink.close()  # and again: close never completes a failed output
     with pytest.raises(ShardError):
@@ -204,13 +206,13 @@ def test_records_are_waited_for_before_their_rows_are_read(tmp_path, monkeypatch
             h.fill_(float("nan"))
         r.ready = InFlightCopy(log, r.sample_id, r.hidden, expected[r.sample_id])
     owner = {id(h): r.sample_id for r in records for h in r.hidden.values()}
-    real = fmt.encode_rows
+    real = fmt.Cells.encode
 
-    def encode_rows(parts, width, dtype):
+    def encode(self, parts):
         log.append(("encode", [owner[id(p)] for p in parts], threading.current_thread().name))
-        return real(parts, width, dtype)
+        return real(self, parts)
 
-    monkeypatch.setattr(fmt, "encode_rows", encode_rows)
+    monkeypatch.setattr(fmt.Cells, "encode", encode)
     sink = sink_class(tmp_path, Manifest(meta), row_group_bytes=200)
     for r in records:
         sink.add(r)
@@ -224,6 +226,8 @@ def test_records_are_waited_for_before_their_rows_are_read(tmp_path, monkeypatch
         assert set(log[k][1]) <= {e[1] for e in log[:k] if e[0] == "wait"}
     engine_thread = threading.current_thread().name
     assert all((w[2] != engine_thread) == (sink_class is BackgroundSink) for w in waits)
+    if sink_class is BackgroundSink:  # row groups are encoded on the lanes' threads, in parallel
+        assert {log[k][2] for k in encodes} == {f"hsx-shard-lane{j}_0" for j in range(min(len(encodes), sink.lanes))}
     for s in hsx.open(tmp_path):
         for name, h in expected[s.sample_id].items():
             assert torch.equal(bits(s.hidden(name)), bits(h))
@@ -247,3 +251,19 @@ def test_cpu_samples_carry_no_event_and_wait_is_a_no_op():
 
     AlignedSample(torch.arange(2), 1, {}, ready=Event()).wait()
     assert calls == [1]
+
+
+@pytest.mark.parametrize("lanes", [2, 3])
+def test_lanes_hold_the_same_samples_as_one_lane(tmp_path, lanes):
+    meta = make_metadata([8, 4], mode="prefill")
+    records = random_records(meta, [3, 9, 1, 17, 5, 2, 12, 7, 4, 6, 11], accept="mixed", seed=5)
+    one = feed(BackgroundSink(tmp_path / "one", Manifest(meta), lanes=1, row_group_bytes=300, max_shard_bytes=2000), records)
+    many = feed(BackgroundSink(tmp_path / "many", Manifest(meta), lanes=lanes, row_group_bytes=300, max_shard_bytes=2000),
+                records)
+    assert len({e.file for e in many.shards}) == len(many.shards) and len(many.shards) >= lanes
+    a, b = hsx.open(tmp_path / "one"), hsx.open(tmp_path / "many")
+    assert a.sample_ids == b.sample_ids == [r.sample_id for r in records]  # source order, whatever the lanes did
+    for x, y in zip(a, b):
+        for name in a.columns:
+            assert torch.equal(bits(x.hidden(name)), bits(y.hidden(name)))
+    assert sorted(e.sample_id for e in b.errors) == sorted(e.sample_id for e in a.errors)

@@ -35,7 +35,9 @@ def test_bench_scripts_run_and_write_ratios(tmp_path):
     report = json.loads(extract_json.read_text())
     # one comparison keeps the test short (each side is a whole process); bench_gpu below runs the
     # same kind of prefill comparison as bench_extract's
-    assert set(report) == {"settings", "whole_process", "generate"}
+    assert set(report) == {"settings", "whole_process", "generate", "writer_blocked_s"}
+    waits = [w for runs in report["writer_blocked_s"].values() for w in runs]
+    assert waits and all(math.isfinite(w) and w >= 0 for w in waits)  # printed by every hsx extract run
     gen = report["generate"]
     for key in ("ratio_median", "ratio_min"):
         assert math.isfinite(gen[key]) and gen[key] > 0, (key, gen)

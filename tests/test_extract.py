@@ -199,7 +199,7 @@ def test_sigkill_then_resume_gives_each_sample_once(models, tmp_path):
     killed = False
     while time.monotonic() < deadline and proc.poll() is None:
         try:
-            m = json.loads((out / "manifest.json").read_text())
+            m = json.loads((out / ".hsx-manifest.json").read_text())
         except (OSError, ValueError):
             m = None
         if m and len(m["shards"]) >= 2 and not m["complete"]:
@@ -235,7 +235,7 @@ def test_cli_extract_inspect_verify(models, tmp_path):
     info = runner.invoke(app, ["inspect", "--json", str(tmp_path / "out")])
     summary = json.loads(info.output)
     assert summary["samples"] == len(GOOD_ROWS) and summary["accept"]["verify_steps"] > 0
-    saved = json.loads((tmp_path / "out" / "config.json").read_text())
+    saved = json.loads((tmp_path / "out" / ".hsx-config.json").read_text())
     assert saved["layers"] == "final,b3" and saved["max_new_tokens"] == 24
     assert runner.invoke(app, ["verify", str(tmp_path / "out")]).exit_code == 0
 

@@ -93,7 +93,7 @@ def test_an_output_that_committed_nothing_does_not_block_a_different_run(model_d
     runner = CliRunner()
     first = runner.invoke(app, extract_args(model_dir, data, out, "--limit", "0"))
     assert first.exit_code == 0, first.output
-    assert json.loads((out / "manifest.json").read_text())["shards"] == []
+    assert json.loads((out / ".hsx-manifest.json").read_text())["shards"] == []
     second = runner.invoke(app, extract_args(model_dir, data, out, "--mode", "prefill"))
     assert second.exit_code == 0, second.output
     assert hsx.open(out).metadata["mode"] == "prefill" and len(hsx.open(out)) == 3

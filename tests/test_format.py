@@ -1,4 +1,5 @@
-"""Format version 2 against version 1: pandas reads whole shards, v1 shards still read, rows stay read-only."""
+"""Format version 4 against older versions: pandas, pyarrow and datasets read shards and output directories,
+v1 and v3 outputs still read, rows stay read-only."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ import hsx
 from hsx.errors import ShardError
 from hsx.shards import load_manifest
 from hsx.shards.format import FORMAT_VERSION, METADATA_CHECKSUM_KEY, METADATA_KEY
-from hsx.shards.manifest import file_checksum, save_manifest
-from shard_fixtures import bits, finite_records, make_metadata, write_sink
+from hsx.shards.manifest import LEGACY_MANIFEST, MANIFEST, file_checksum, save_manifest
+from hsx.shards import Manifest, ShardSink
+from hsx.shards.verify import verify
+from shard_fixtures import bits, finite_records, make_metadata, random_records, write_sink
 
 torch.set_num_threads(1)
 
@@ -31,7 +34,8 @@ def as_version_1(src: Path, dst: Path) -> None:
     """Rewrite a version 2 shard the way version 1 stored it: ``list<fixed_size_binary(row_bytes)>``."""
     table = pq.read_table(src)
     meta = json.loads(table.schema.metadata[METADATA_KEY])
-    meta = {**{k: v for k, v in meta.items() if k != "keep"}, "format_version": 1}
+    meta = {**{k: v for k, v in meta.items() if k not in ("keep", "codec")}, "format_version": 1}
+    table = table.drop_columns(["positions"])
     for g in meta["layers"]:
         col = table.column(g["name"])
         kind = pa.list_(pa.binary(g["row_bytes"]))
@@ -45,7 +49,7 @@ def as_version_1(src: Path, dst: Path) -> None:
 def test_pandas_reads_a_whole_shard_and_the_cells_are_the_rows(tmp_path):
     import pandas as pd
 
-    meta = make_metadata([6, 3], "bfloat16")
+    meta = make_metadata([6, 3], "bfloat16", codec="none")
     records = finite_records(meta, [5, 1, 7, 4], seed=3)
     write_sink(tmp_path, meta, records)
     df = pd.read_parquet(tmp_path / "shard-00000.parquet")
@@ -56,8 +60,27 @@ def test_pandas_reads_a_whole_shard_and_the_cells_are_the_rows(tmp_path):
         assert np.array_equal(raw, bits(r.hidden["l0"]).numpy())
 
 
+@pytest.mark.parametrize("codec", ["planes-zstd", "zstd", "none"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_hsx_decode_gives_the_stored_bits_from_pandas_and_pyarrow_cells(tmp_path, dtype, codec):
+    import pandas as pd
+
+    meta = make_metadata([6, 3], dtype, codec=codec)
+    records = random_records(meta, [5, 1, 0, 7, 4], accept="none", seed=11)  # NaN payloads, -0.0, subnormals
+    write_sink(tmp_path, meta, records, max_shard_samples=10)
+    df = pd.read_parquet(tmp_path / "shard-00000.parquet")
+    table = pq.read_table(tmp_path / "shard-00000.parquet")
+    for k, r in enumerate(records):
+        for name, width in (("l0", 6), ("l1", 3)):
+            want = bits(r.hidden[name]).numpy()
+            for cell in (df[name][k], table.column(name)[k].as_py()):
+                got = hsx.decode(cell, width, dtype, codec)
+                assert got.shape == want.shape and np.array_equal(got.view(want.dtype), want)
+        assert df["positions"][k].tolist() == list(range(r.num_rows))
+
+
 def test_version_1_shards_still_read_bit_exact(tmp_path):
-    meta = make_metadata([6, 3], "float16", "prefill")
+    meta = make_metadata([6, 3], "float16", "prefill", codec="none")
     records = finite_records(meta, [5, 2, 7], seed=4)
     write_sink(tmp_path / "v2", meta, records)
     old = tmp_path / "v1"
@@ -78,7 +101,7 @@ def test_version_1_shards_still_read_bit_exact(tmp_path):
             assert torch.equal(s.positions, torch.arange(r.num_rows))
         tm = ds.tokens("l0")
         assert torch.equal(bits(tm.hidden), bits(torch.cat([r.hidden["l0"] for r in records])))
-    assert FORMAT_VERSION == 3
+    assert FORMAT_VERSION == 4
 
 
 def test_samples_come_back_in_source_order_whatever_order_they_were_written(tmp_path):
@@ -102,15 +125,15 @@ def test_samples_come_back_in_source_order_whatever_order_they_were_written(tmp_
     assert ds.table()["source_index"].to_pylist() == [1000, 1001, 1002, 1003, 1004]
 
     # a format-2 manifest lists no source indices: manifest order, as written
-    raw = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    raw = json.loads((tmp_path / "out" / MANIFEST).read_text())
     for e in raw["shards"]:
         del e["source_indices"]
-    (tmp_path / "out" / "manifest.json").write_text(json.dumps(raw))
+    (tmp_path / "out" / MANIFEST).write_text(json.dumps(raw))
     assert [s.source_index for s in hsx.open(tmp_path / "out")] == [1003, 1000, 1004, 1001, 1002]
 
 
 def test_a_row_of_the_wrong_length_is_a_shard_error_naming_the_file(tmp_path):
-    meta = make_metadata([4], "bfloat16")
+    meta = make_metadata([4], "bfloat16", codec="none")
     write_sink(tmp_path / "out", meta, finite_records(meta, [3, 4]))
     table = pq.read_table(tmp_path / "out" / "shard-00000.parquet")
     col = table.column("l0").combine_chunks()
@@ -147,3 +170,94 @@ def test_hidden_views_refuse_writes_and_reads_stay_unchanged(tmp_path):
     copy = h.clone()
     copy.add_(1)  # a copy is an ordinary tensor
     assert type(copy) is torch.Tensor and type(h.float() * 2) is torch.Tensor
+
+
+def as_version_3(d: Path) -> None:
+    """Rewrite a version 4 output the way version 3 stored it: rows layout, no positions, ``manifest.json``."""
+    m = load_manifest(d)
+    m.metadata = {**{k: v for k, v in m.metadata.items() if k != "codec"}, "format_version": 3}
+    for e in m.shards:
+        table = pq.read_table(d / e.file).drop_columns(["positions"])
+        pq.write_table(_with_metadata(table, m.metadata), d / e.file, write_page_checksum=True,
+                       column_encoding={f"{g['name']}.list.element": "DELTA_LENGTH_BYTE_ARRAY" for g in m.metadata["layers"]},
+                       use_dictionary=False)
+        e.bytes, e.xxh3_128 = (d / e.file).stat().st_size, file_checksum(d / e.file)
+    (d / MANIFEST).unlink()
+    (d / LEGACY_MANIFEST).write_text(json.dumps(m.to_json()))
+
+
+def test_version_3_outputs_still_read_bit_exact(tmp_path):
+    meta = make_metadata([5], "bfloat16", "prefill", codec="none")
+    records = finite_records(meta, [4, 2, 6], seed=9)
+    write_sink(tmp_path / "old", meta, records, max_shard_samples=2)
+    as_version_3(tmp_path / "old")
+    ds = hsx.open(tmp_path / "old")
+    assert ds.metadata["format_version"] == 3 and len(ds) == 3
+    for r, s in zip(records, ds):
+        assert torch.equal(bits(s.hidden("l0")), bits(r.hidden["l0"]))
+    assert torch.equal(bits(ds.tokens("l0").hidden), bits(torch.cat([r.hidden["l0"] for r in records])))
+    assert sum(b["l0"].shape[0] for b in hsx.tokens_loader(tmp_path / "old", batch_size=4)) == sum(r.num_rows for r in records)
+    assert hsx.open(tmp_path / "old" / "shard-00000.parquet")[0].sample_id == records[0].sample_id
+
+
+def _plain_readers(d: Path) -> dict[str, list[str]]:
+    """The sample ids each plain reader finds in the directory ``d``."""
+    import datasets
+    import pandas as pd
+    import pyarrow.dataset as pads
+
+    return {
+        "pandas": sorted(pd.read_parquet(d)["sample_id"]),
+        "pyarrow": sorted(pads.dataset(d, format="parquet").to_table(columns=["sample_id"]).column(0).to_pylist()),
+        "datasets": sorted(datasets.load_dataset("parquet", data_dir=str(d), split="train")["sample_id"]),
+    }
+
+
+@pytest.mark.parametrize("keep", ["all", "loss"])
+def test_plain_readers_read_the_output_directory_and_only_committed_shards(tmp_path, keep, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+
+    meta = {**make_metadata([4], "bfloat16", "generate"), "keep": keep}
+    records = finite_records(meta, [5, 3, 6, 4, 7], seed=2)
+    if keep != "all":  # rows of the kept positions only
+        from hsx.shards.positions import sample_positions
+        for r in records:
+            pos = sample_positions(keep, "generate", len(r.input_ids), r.prompt_len, r.loss_mask.numpy())
+            r.hidden = {"l0": r.hidden["l0"][torch.from_numpy(pos)]}
+    d = tmp_path / "out"
+    sink = ShardSink(d, Manifest(meta), max_shard_samples=2)
+    for r in records[:4]:
+        sink.add(r)  # two shards committed (2 + 2 samples)
+    sink.add(records[4])
+    sink._flush_row_group()  # a row group on disk, not committed: a crash here leaves it staged
+    committed = sorted(r.sample_id for r in records[:4])
+    # a Ray attempt that never committed, and a temp file of a crashed write
+    (d / ".shard-000009-deadbeef0000-00.parquet.part").write_bytes((d / "shard-00000.parquet").read_bytes())
+    assert {k: v for k, v in _plain_readers(d).items()} == {"pandas": committed, "pyarrow": committed, "datasets": committed}
+    sink.commit()
+    everything = sorted(r.sample_id for r in records)
+    assert _plain_readers(d) == {"pandas": everything, "pyarrow": everything, "datasets": everything}
+    import pandas as pd
+    df = pd.read_parquet(d).set_index("sample_id")
+    for r, s in zip(records, hsx.open(d)):
+        assert df.loc[r.sample_id, "positions"].tolist() == s.positions.tolist()
+        assert np.array_equal(hsx.decode(df.loc[r.sample_id, "l0"], 4), bits(r.hidden["l0"]).numpy().view(np.uint16))
+
+
+def test_a_shard_committed_but_not_yet_renamed_is_read_and_renamed_by_the_next_sink(tmp_path):
+    meta = make_metadata([4], "bfloat16", "prefill")
+    records = finite_records(meta, [3, 5, 2, 4], seed=6)
+    d = tmp_path / "out"
+    m = write_sink(d, meta, records, max_shard_samples=2)
+    # a crash between the manifest's save and the rename: the committed shard is still staged
+    (d / "shard-00001.parquet").rename(d / ".shard-00001.parquet.part")
+    ds = hsx.open(d)
+    assert ds.sample_ids == [r.sample_id for r in records]
+    for r, s in zip(records, ds):
+        assert torch.equal(bits(s.hidden("l0")), bits(r.hidden["l0"]))
+    assert verify(d).ok
+    assert sorted(_plain_readers(d)["pyarrow"]) == sorted(r.sample_id for r in records[:2])  # not yet visible
+    ShardSink(d, load_manifest(d)).close()  # the next run's sink renames it first
+    assert (d / "shard-00001.parquet").exists() and not (d / ".shard-00001.parquet.part").exists()
+    assert _plain_readers(d)["pandas"] == sorted(r.sample_id for r in records)
+    assert [e.file for e in load_manifest(d).shards] == [e.file for e in m.shards]

@@ -322,7 +322,7 @@ def test_ctrl_c_says_what_is_committed_and_the_same_command_resumes(model_dir, t
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "hsx.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
-    manifest = out / "manifest.json"
+    manifest = out / ".hsx-manifest.json"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         if manifest.exists() and len(json.loads(manifest.read_text())["shards"]) >= 2:

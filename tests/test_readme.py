@@ -198,4 +198,4 @@ def test_the_tour_runs_as_written(tour, monkeypatch):
     outputs = [o for c in executed.cells if c.cell_type == "code" for o in c.outputs]
     assert outputs and not [o for o in outputs if o.output_type == "error"]
     assert "ShardDataset(12 samples" in "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
-    assert json.loads((tour / "out" / "run1" / "config.json").read_text())["draft_model"] == "my_draft"
+    assert json.loads((tour / "out" / "run1" / ".hsx-config.json").read_text())["draft_model"] == "my_draft"

@@ -127,7 +127,7 @@ def _title(pid: int) -> str:
 
 def _committed(out: Path) -> int:
     try:
-        return len(json.loads((out / "manifest.json").read_text())["shards"])
+        return len(json.loads((out / ".hsx-manifest.json").read_text())["shards"])
     except (OSError, ValueError, KeyError):
         return 0
 
@@ -249,7 +249,7 @@ def test_driver_refuses_a_shard_it_cannot_see_or_a_second_commit(tmp_path):
     from hsx.scale.ray_runner import Unit, _commit
     from hsx.shards.manifest import Manifest
 
-    (tmp_path / "shard-000001-aaaa-00.parquet").write_bytes(b"x" * 10)
+    (tmp_path / ".shard-000001-aaaa-00.parquet.part").write_bytes(b"x" * 10)  # a worker's shard, staged
     entry = {"file": "shard-000001-aaaa-00.parquet", "samples": 1, "rows": 3, "tokens": 4, "bytes": 10,
              "xxh3_128": "0", "sample_ids": ["s1"]}
     unit = Unit(1, [1], ["s1"])
@@ -261,6 +261,8 @@ def test_driver_refuses_a_shard_it_cannot_see_or_a_second_commit(tmp_path):
     done: set[str] = set()
     _commit(tmp_path, m, unit, {"host": "h", "shards": [entry], "errors": []}, done)
     assert [s.file for s in load_manifest(tmp_path).shards] == [entry["file"]] and done == {"s1"}
+    # committed, then renamed to its visible name
+    assert (tmp_path / entry["file"]).exists() and not (tmp_path / ".shard-000001-aaaa-00.parquet.part").exists()
     with pytest.raises(HsxError, match="refusing to commit twice"):
         _commit(tmp_path, m, unit, {"host": "h", "shards": [entry], "errors": []}, done)
     assert len(load_manifest(tmp_path).shards) == 1

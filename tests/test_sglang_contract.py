@@ -343,7 +343,7 @@ def test_faults_in_adapter_shards_are_diagnosed(models, tmp_path, fault, want):
 
 
 def _errors(out: Path) -> dict[str, str]:
-    return {e["sample_id"]: e["reason"] for e in json.loads((out / "manifest.json").read_text())["errors"]}
+    return {e["sample_id"]: e["reason"] for e in json.loads((out / ".hsx-manifest.json").read_text())["errors"]}
 
 
 def test_cached_prefill_rows_are_an_error_record(models, tmp_path):

@@ -30,6 +30,7 @@ from hsx.cli import app
 from hsx.errors import ShardError
 from hsx.shards import Manifest, ShardSink, ShardWriter, load_manifest
 from hsx.shards.format import BASE_NAMES, FORMAT_VERSION, METADATA_CHECKSUM_KEY, METADATA_KEY
+from hsx.shards.manifest import MANIFEST
 from shard_fixtures import bits, finite_records, make_metadata, random_records, rows_for, write_sink
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -154,7 +155,7 @@ def check_roundtrip(d: Path, meta: dict, records: list) -> None:
     dtype=st.sampled_from(["bfloat16", "float16", "float32"]),
     widths=st.lists(st.integers(1, 300), min_size=1, max_size=3),
     mode=st.sampled_from(["generate", "prefill"]),
-    compression=st.sampled_from(["none", "zstd"]),
+    compression=st.sampled_from(["planes-zstd", "none", "zstd"]),
     tokens=st.lists(st.integers(0, 12), min_size=0, max_size=10),
     accept=st.sampled_from(["none", "all", "mixed"]),
     max_shard_samples=st.integers(1, 5),
@@ -162,24 +163,24 @@ def check_roundtrip(d: Path, meta: dict, records: list) -> None:
     seed=st.integers(0, 2**32 - 1),
 )
 def test_roundtrip_is_bit_exact(dtype, widths, mode, compression, tokens, accept, max_shard_samples, row_group_bytes, seed):
-    meta = make_metadata(widths, dtype, mode)
+    meta = make_metadata(widths, dtype, mode, codec=compression)
     records = random_records(meta, tokens, accept, seed)
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp) / "out"
-        write_sink(d, meta, records, compression=compression, max_shard_samples=max_shard_samples,
+        write_sink(d, meta, records, max_shard_samples=max_shard_samples,
                    row_group_bytes=row_group_bytes)
         check_roundtrip(d, meta, records)
 
 
-@pytest.mark.parametrize("compression", ["none", "zstd"])
+@pytest.mark.parametrize("compression", ["planes-zstd", "none", "zstd"])
 @pytest.mark.parametrize("mode", ["generate", "prefill"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_roundtrip_over_several_shards_and_row_groups(tmp_path, dtype, mode, compression):
-    meta = make_metadata([1, 257, 300], dtype, mode)
+    meta = make_metadata([1, 257, 300], dtype, mode, codec=compression)
     tokens = [0, 1, 2, 7, 1, 12, 3, 0, 5, 9, 2]  # 0 and 1 rows in both modes
     records = random_records(meta, tokens, "mixed", seed=7)
     d = tmp_path / "out"
-    m = write_sink(d, meta, records, compression=compression, max_shard_samples=4, row_group_bytes=2000)
+    m = write_sink(d, meta, records, max_shard_samples=4, row_group_bytes=2000)
     assert len(m.shards) == 3
     row_groups = [pq.ParquetFile(d / s.file).num_row_groups for s in m.shards]
     assert max(row_groups) >= 2, row_groups
@@ -227,7 +228,7 @@ def test_nan_and_inf_are_written_and_read_back_unchanged(tmp_path):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 def test_hidden_states_are_views_of_arrow_buffers(tmp_path, dtype):
-    meta = make_metadata([5, 8], dtype, "generate")
+    meta = make_metadata([5, 8], dtype, "generate", codec="none")  # the rows layout: zero-copy
     records = finite_records(meta, [3, 4, 1, 6, 2, 5, 7], seed=1)
     m = write_sink(tmp_path, meta, records, max_shard_samples=3, row_group_bytes=1)
     assert len(m.shards) == 3  # the reader keeps up to 4 shards loaded: all stay in memory here
@@ -328,7 +329,7 @@ CORRUPTIONS = ["truncated-half", "truncated-tail", "hidden-page-last-byte", "hid
                "input-ids-page", "footer-column-name-bit7", "footer-column-name-bit0", "footer-length", "footer-magic"]
 
 
-@pytest.mark.parametrize("compression", ["none", "zstd"])
+@pytest.mark.parametrize("compression", ["planes-zstd", "none", "zstd"])
 @pytest.mark.parametrize("where", CORRUPTIONS)
 def test_corrupt_shard_in_a_directory_is_reported_and_never_read(tmp_path, compression, where):
     d = tmp_path / "out"
@@ -370,7 +371,7 @@ def test_a_flip_no_parquet_check_sees_is_caught_by_the_manifest_checksum(tmp_pat
     assert result.exit_code == 1 and "shard-00000.parquet" in result.output and "checksum" in result.output
 
 
-@pytest.mark.parametrize("compression", ["none", "zstd"])
+@pytest.mark.parametrize("compression", ["planes-zstd", "none", "zstd"])
 @pytest.mark.parametrize("where", CORRUPTIONS)
 def test_corrupt_single_file_without_manifest_is_reported_and_never_read(tmp_path, compression, where):
     _, records = corrupt_dataset(tmp_path / "out", compression)
@@ -386,7 +387,7 @@ def test_corrupt_single_file_without_manifest_is_reported_and_never_read(tmp_pat
     assert result.exit_code == 1 and "part.parquet" in result.output and "FAULT" in result.output, result.output
 
 
-@pytest.mark.parametrize("compression", ["none", "zstd"])
+@pytest.mark.parametrize("compression", ["planes-zstd", "none", "zstd"])
 def test_any_flipped_byte_in_a_lone_shard_raises_or_changes_no_number(tmp_path, compression):
     """Sweep the whole file: page CRCs and schema checks must stop every change of a number."""
     meta = make_metadata([6, 3], "bfloat16", "generate")
@@ -524,7 +525,7 @@ def test_sink_shows_only_committed_records(tmp_path):
         sink.add(r)
     sink.add_error("bad-1", 78, "too long")
     # Crash here: two records and one error added, not committed.
-    assert any(p.name.startswith(".shard-00001.parquet.tmp-") for p in tmp_path.iterdir())
+    assert (tmp_path / ".shard-00001.parquet.part").exists() and not (tmp_path / "shard-00001.parquet").exists()
     ds = hsx.open(tmp_path)
     assert ds.sample_ids == ["s000", "s001", "s002"]
     on_disk = load_manifest(tmp_path)
@@ -598,7 +599,7 @@ def test_reading_untrusted_shards_executes_no_deserialiser(tmp_path, monkeypatch
     assert CliRunner().invoke(app, ["verify", str(d)]).exit_code == 0
     assert CliRunner().invoke(app, ["inspect", str(d)]).exit_code == 0
     assert calls == []
-    raw = (d / "manifest.json").read_text()
+    raw = (d / MANIFEST).read_text()
     assert json.loads(raw)["format"] == "hsx-manifest"
 
 
@@ -662,7 +663,7 @@ def test_metadata_columns_are_readable_by_other_tools(tmp_path, monkeypatch):
     import pandas as pd
     # The whole shard, hidden columns included: one array of row bytes per sample.
     df = pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)
-    assert list(df.columns) == BASE_NAMES + ["l0", "l1"]
+    assert list(df.columns) == BASE_NAMES + ["positions", "l0", "l1"]
     assert df["sample_id"].tolist() == ids and df["prompt_len"].tolist() == prompt
     assert [list(x) for x in df["loss_mask"]] == [r.loss_mask.tolist() for r in records]
     for r, cell in zip(records, df["l0"]):

@@ -25,7 +25,7 @@ from hsx.errors import HsxError
 from hsx.output import open_manifest, prepare_output
 from hsx.scale.worker import ExtractWorker
 from hsx.shards.lock import OutputLock
-from hsx.shards.manifest import ErrorRecord, Manifest, ShardEntry, save_manifest
+from hsx.shards.manifest import ErrorRecord, Manifest, ShardEntry, publish, save_manifest, shard_path
 
 MAX_RESTARTS = 3  # per worker, done by Ray
 MAX_ATTEMPTS = 3  # per unit: a unit that kills this many workers stops the run
@@ -209,6 +209,7 @@ def _drive(cfg: ExtractConfig, out: Path, overwrite: bool, progress: bool, t0: f
     try:
         metadata = describe_workers(actors)
         manifest = open_manifest(out, cfg, resume, metadata)
+        publish(out, manifest.shards)  # units a crash left committed but not yet renamed
         summary = RunSummary(str(out), workers=len(actors))
         _schedule(out, rows, units, pool, manifest, summary, progress, t0)
     finally:
@@ -295,7 +296,7 @@ def _commit(out: Path, manifest: Manifest, unit: Unit, result: dict, done: set[s
     entries = [ShardEntry(**s) for s in result["shards"]]
     errors = [ErrorRecord(**e) for e in result["errors"]]
     for e in entries:
-        path = out / e.file
+        path = shard_path(out, e.file)  # still under its staging name until the manifest below commits it
         try:
             size = path.stat().st_size
         except FileNotFoundError:
@@ -310,4 +311,5 @@ def _commit(out: Path, manifest: Manifest, unit: Unit, result: dict, done: set[s
     manifest.shards.extend(entries)
     manifest.errors.extend(errors)
     save_manifest(out, manifest)
+    publish(out, entries)
     done.update(samples, (r.sample_id for r in errors))

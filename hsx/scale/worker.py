@@ -4,7 +4,7 @@ Plain Python (no Ray import): the driver wraps :class:`ExtractWorker` with ``ray
 unit is a list of ``(source index, row)`` pairs; the worker renders, batches and runs them
 exactly as the single-process path does (:func:`hsx.core.results`), writes its shards under names
 no other worker or attempt can produce, and returns their manifest entries. It never touches
-``manifest.json``: the driver alone commits. For the online feed (:meth:`ExtractWorker.stream_unit`)
+the manifest: the driver alone commits (and renames the shards to their visible names). For the online feed (:meth:`ExtractWorker.stream_unit`)
 it hands the unit's records back instead (:func:`encode_item`) and writes nothing.
 """
 
@@ -85,7 +85,7 @@ class ExtractWorker:
         attempt = uuid.uuid4().hex[:12]
         out = Path(cfg.output)
         manifest = Manifest(metadata=self.metadata, config_hash=cfg.fingerprint())
-        sink = BackgroundSink(out, manifest, compression=cfg.compression, max_shard_bytes=cfg.max_shard_mb << 20,
+        sink = BackgroundSink(out, manifest, max_shard_bytes=cfg.max_shard_mb << 20,
                          max_shard_samples=cfg.max_shard_samples,
                          names=lambda part: unit_shard_name(unit, attempt, part), persist=False)
         summary = RunSummary(str(out))

@@ -1,4 +1,4 @@
-"""Shard format v1: writer, manifest, reader, verification."""
+"""The shard format: writer, manifest, reader, verification (docs/FORMAT.md)."""
 
 from importlib import import_module
 

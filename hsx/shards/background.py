@@ -18,7 +18,7 @@ from typing import Callable
 
 from hsx.errors import ShardError
 from hsx.shards.manifest import Manifest
-from hsx.shards.writer import Record, ShardSink
+from hsx.shards.writer import DEFAULT_LANES, Record, ShardSink
 
 
 @dataclass
@@ -30,14 +30,18 @@ class WriterStats:
 
 
 class BackgroundSink:
-    """Drop-in for :class:`ShardSink` (same constructor arguments, plus ``max_pending_bytes``).
+    """Drop-in for :class:`ShardSink` (same constructor arguments, plus ``max_pending_bytes``; ``lanes``
+    defaults to ``DEFAULT_LANES`` here).
+
+    The writer thread hands each row group to one of the sink's ``lanes`` (shards encoded and
+    compressed in parallel, each lane on a thread of its own, one row group in flight per lane).
 
     ``add`` and ``add_error`` return once the call is queued; ``add`` blocks while the records
     queued and not yet handed to the shard writer exceed ``max_pending_bytes`` (one record larger
     than the bound still goes through, alone). The default, two row groups, lets the engine fill
-    the next row group while the writer thread encodes one, with a row group of slack for a
-    shard commit's fsync; the sink's own row-group buffer comes on top, so at most about three
-    row groups of records are held.
+    the next row group while the writer thread fills one, with a row group of slack for a shard
+    commit's fsync; the sink's own row-group buffer and one row group per lane come on top, so at
+    most about ``3 + lanes`` row groups of records are held.
 
     ``commit`` and ``close`` return after the writer thread has done them. A failure on the writer
     thread is raised as :class:`ShardError` by the next call, chained to the original error; after
@@ -45,8 +49,10 @@ class BackgroundSink:
     ``commit`` or ``close``: the writer thread appends to it.
     """
 
-    def __init__(self, directory: str | Path, manifest: Manifest, *, max_pending_bytes: int | None = None, **sink_options):
-        self._sink = ShardSink(directory, manifest, **sink_options)
+    def __init__(self, directory: str | Path, manifest: Manifest, *, max_pending_bytes: int | None = None,
+                 lanes: int = DEFAULT_LANES, **sink_options):
+        self._sink = ShardSink(directory, manifest, lanes=lanes, **sink_options)
+        self.lanes = lanes
         self.max_pending_bytes = 2 * self._sink.row_group_bytes if max_pending_bytes is None else max_pending_bytes
         self.stats = WriterStats()
         self._cond = threading.Condition()
@@ -115,7 +121,7 @@ class BackgroundSink:
         with self._cond:
             if not self._closed:
                 self._closed = True
-                self._put(lambda: None, stop=True, check=False)
+                self._put(self._sink.abort, stop=True, check=False)
         self._thread.join()
 
     # The caller's side; these run with self._cond held.
@@ -147,9 +153,16 @@ class BackgroundSink:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._ops:
-                    self._cond.wait()
-                op, nbytes, stop = self._ops.popleft()
+                idle = not self._ops
+            queued = not (idle and self._sink.in_flight())
+            if not queued:
+                # nothing queued: finish the lanes' writes, so that a failure surfaces now
+                op, nbytes, stop = self._sink.drain, 0, False
+            else:
+                with self._cond:
+                    while not self._ops:
+                        self._cond.wait()
+                    op, nbytes, stop = self._ops.popleft()
             t0 = time.perf_counter()
             try:
                 op()
@@ -159,10 +172,12 @@ class BackgroundSink:
             self.stats.busy_s += time.perf_counter() - t0
             with self._cond:
                 self._pending_bytes -= nbytes
-                self._done += 1
+                self._done += queued
                 if error is not None:
                     self._fail(error)
                 self._cond.notify_all()
+            if error is not None:
+                self._sink.abort()  # the lanes' partial shards go; committed ones stay
             if stop or error is not None:
                 return
 

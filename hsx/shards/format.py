@@ -1,14 +1,20 @@
-"""Shard format v2 (and v1 for reading): the Arrow schema, the metadata blob, the raw-bytes rows.
+"""Shard format v4 (and v1-v3 for reading): the Arrow schema, the metadata blob, the hidden-state cells.
 
-One Parquet row per sample. Hidden-state columns are ``list<large_binary>``: one binary value
-per stored row, exactly ``W * itemsize`` bytes holding the row's W values in the stored dtype,
-little-endian, bit-exact (bfloat16 is kept as its 16-bit pattern; Arrow has no bfloat16). A
-row's values sit back to back in the Arrow data buffer, so a block of rows is one zero-copy
-``[rows, W]`` view. Parquet stores the column as BYTE_ARRAY pages in DELTA_LENGTH_BYTE_ARRAY
-encoding (the equal lengths pack into a few bytes, the data stays contiguous) with one
-repetition level per row, not per float, which is why it writes and reads at close to disk
-speed, and why pandas reads it (as bytes) where it cannot read v1's
-``list<fixed_size_binary>`` (docs/FORMAT.md).
+One Parquet row per sample. Hidden-state columns are ``list<large_binary>`` in one of two
+layouts, named by the metadata's ``codec`` (docs/FORMAT.md gives them byte by byte):
+
+- rows (``none``, ``zstd``; every version before 4): one binary value per stored row, exactly
+  ``W * itemsize`` bytes, the row's W values in the stored dtype, little-endian. A block of rows
+  is one zero-copy ``[rows, W]`` view of the Arrow buffer.
+- planes (``planes-zstd``, the default): ``itemsize`` binary values per sample, value k holding
+  byte k of every value of the sample's ``[rows, W]`` block in row-major order. Byte 1 of a
+  bfloat16 (sign, 7 exponent bits) is highly repetitive and byte 0 is nearly random: apart, zstd
+  squeezes the first and leaves the second, where interleaved it does worse on both. Parquet
+  compresses the pages with zstd across samples (a shared prompt prefix is found again).
+
+Both are bit-exact (bfloat16 kept as its 16-bit pattern; Arrow has no bfloat16), and both store
+the column as BYTE_ARRAY pages in DELTA_LENGTH_BYTE_ARRAY encoding: the equal lengths pack into a
+few bytes and the data stays contiguous, with one repetition level per value, not per float.
 """
 
 from __future__ import annotations
@@ -25,8 +31,12 @@ from hsx.errors import HsxError, ShardError
 from hsx.shards import positions
 from hsx.shards.readonly import read_only
 
-FORMAT_VERSION = 3  # 3: manifest entries list each sample's source_index (shards as in 2)
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4  # 4: codec (planes layout), positions column, hidden manifest and staged shards
+READABLE_VERSIONS = (1, 2, 3, 4)
+# Hidden-state codecs: Parquet page compression of the hidden columns, and their cell layout.
+CODECS = {"planes-zstd": ("zstd", "planes"), "zstd": ("zstd", "rows"), "none": ("none", "rows")}
+DEFAULT_CODEC = "planes-zstd"
+ZSTD_LEVEL = 3  # level 1 left eagle3 planes 4% larger on SmolLM2 states (docs/STORAGE.md)
 METADATA_KEY = b"hsx"
 # xxh3-64 of the metadata bytes: Parquet footers carry no checksum, so the metadata checks itself.
 METADATA_CHECKSUM_KEY = b"hsx.xxh3_64"
@@ -50,6 +60,8 @@ BASE_FIELDS = [
     pa.field("accept_lens", pa.list_(pa.int16())),
 ]
 BASE_NAMES = [f.name for f in BASE_FIELDS]
+# Version 4: the token position of each stored row (what ``keep`` selected), for readers without hsx.
+POSITIONS = pa.field("positions", pa.list_(pa.int32()), nullable=False)
 
 # Which positions a sample's rows cover, by mode: row j is position j in both.
 COVERS = {"generate": "0..N-2", "prefill": "0..N-1"}
@@ -81,6 +93,8 @@ def schema_for(metadata: Mapping) -> pa.Schema:
     """The full schema of a shard described by ``metadata`` (its version, layer groups and dtype)."""
     fields = list(BASE_FIELDS)
     version = metadata.get("format_version", FORMAT_VERSION)
+    if version >= 4:
+        fields.append(POSITIONS)
     for g in metadata["layers"]:
         fields.append(pa.field(g["name"], hidden_type(g["width"], metadata["dtype"], version), nullable=False))
     blob = json.dumps(metadata, sort_keys=True).encode()
@@ -116,43 +130,169 @@ def read_metadata(schema: pa.Schema, where: str) -> dict:
         dtype_of(meta["dtype"])
         expected_rows(np.zeros(0, dtype=np.int64), meta["mode"])
         positions.check_rule(keep_of(meta), meta["mode"], "keep")
+        codec_of(meta)
     except (KeyError, TypeError, ValueError, pa.ArrowException, HsxError) as e:
         raise ShardError(f"{where}: malformed hsx metadata ({type(e).__name__}: {e})") from None
     return meta
 
 
-def encode_rows(parts: list[torch.Tensor], width: int, dtype: torch.dtype) -> pa.ChunkedArray:
-    """``[rows_i, W]`` tensors (one per sample) -> a ``list<large_binary>`` column, one chunk per sample.
+def codec_of(metadata: Mapping) -> str:
+    """The hidden-state codec of a shard (shards before version 4 are ``none``: raw rows)."""
+    codec = metadata.get("codec", "none")
+    if codec not in CODECS:
+        raise ShardError(f"unknown hidden-state codec {codec!r}; expected one of {sorted(CODECS)}")
+    return codec
 
-    Each chunk wraps its tensor's bytes as they are (no copy, no conversion: the bit pattern); the
-    Parquet writer streams the chunks into one row group. Concatenating first would cost a full
-    extra pass over fresh memory, which on this kind of machine halved the write speed.
+
+class Cells:
+    """How one hidden column's cells hold a sample's ``[rows, W]`` block (the layout of its codec)."""
+
+    def __init__(self, width: int, dtype: torch.dtype, planes: bool):
+        self.width, self.dtype, self.planes = width, dtype, planes
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self.row_bytes = width * self.itemsize
+
+    @classmethod
+    def of(cls, metadata: Mapping, group: Mapping) -> "Cells":
+        return cls(group["width"], dtype_of(metadata["dtype"]), CODECS[codec_of(metadata)][1] == "planes")
+
+    # -- writing
+
+    def encode(self, parts: list[torch.Tensor]) -> pa.ChunkedArray:
+        """``[rows_i, W]`` tensors (one per sample) -> a ``list<large_binary>`` column, one chunk per sample.
+
+        Rows: each chunk wraps its tensor's bytes as they are (no copy). Planes: one transposing
+        copy per sample. The Parquet writer streams the chunks into one row group; concatenating
+        first would cost a full extra pass over fresh memory.
+        """
+        chunks = []
+        for p in parts:
+            if p.dtype != self.dtype or p.dim() != 2 or p.shape[1] != self.width:
+                raise ShardError(f"hidden rows of shape {tuple(p.shape)} {p.dtype}; column expects [rows, {self.width}] {self.dtype}")
+            rows = p.shape[0]
+            raw = p.contiguous().view(torch.uint8).numpy().reshape(rows, self.row_bytes) if rows else np.zeros((0, self.row_bytes), np.uint8)
+            if self.planes:
+                data = _split(raw.reshape(-1).view(_UINT[self.itemsize]), self.itemsize)  # [itemsize, rows * W]
+                values, lengths = self.itemsize, rows * self.width
+            else:
+                data, values, lengths = raw, rows, self.row_bytes
+            offsets = np.arange(values + 1, dtype=np.int64) * lengths
+            cell = pa.Array.from_buffers(pa.large_binary(), values, [None, pa.py_buffer(offsets), pa.py_buffer(data.reshape(-1))])
+            chunks.append(pa.ListArray.from_arrays(pa.array(np.array([0, values], dtype=np.int32)), cell))
+        return pa.chunked_array(chunks, type=pa.list_(pa.large_binary()))
+
+    # -- reading
+
+    def rows(self, column: pa.ListArray) -> np.ndarray:
+        """Stored rows of each sample of a column chunk, [S] int64."""
+        counts = np.diff(column.offsets.to_numpy()).astype(np.int64)
+        if not self.planes:
+            return counts
+        offs = column.offsets.to_numpy()
+        first = _value_offsets(column.values)[offs[:-1]] if len(column) else np.zeros(0, np.int64)
+        return (_value_offsets(column.values)[np.minimum(offs[:-1] + 1, offs[-1])] - first) // self.width
+
+    def check(self, column: pa.ListArray, where: str, name: str) -> None:
+        """Every value of the chunk has the length its layout requires."""
+        if not len(column):
+            return
+        offs = column.offsets.to_numpy()
+        lengths = np.diff(_value_offsets(column.values)[offs[0]:offs[-1] + 1])
+        if not self.planes:
+            bad = np.flatnonzero(lengths != self.row_bytes)
+            if len(bad):
+                raise ShardError(f"{where}: column {name!r} has a {int(lengths[bad[0]])}-byte row; metadata "
+                                 f"says width {self.width} x {DTYPE_NAMES[self.dtype]} = {self.row_bytes} bytes per row")
+            return
+        per_sample = np.diff(offs)
+        if (per_sample != self.itemsize).any():
+            j = int(np.flatnonzero(per_sample != self.itemsize)[0])
+            raise ShardError(f"{where}: column {name!r}, sample {j} of a row group: {int(per_sample[j])} byte planes, "
+                             f"{DTYPE_NAMES[self.dtype]} has {self.itemsize}")
+        planes = lengths.reshape(-1, self.itemsize)
+        bad = np.flatnonzero((planes != planes[:, :1]).any(axis=1) | (planes[:, 0] % self.width != 0))
+        if len(bad):
+            raise ShardError(f"{where}: column {name!r}, sample {int(bad[0])} of a row group: byte planes of "
+                             f"{planes[bad[0]].tolist()} bytes; each must hold rows x {self.width} bytes")
+
+    def sample(self, column: pa.ListArray, index: int) -> torch.Tensor:
+        """Sample ``index`` of a column chunk as a read-only ``[rows, W]`` tensor (a view for rows)."""
+        return self.block(column.slice(index, 1))
+
+    def block(self, column: pa.ListArray) -> torch.Tensor:
+        """Every row of a column chunk's samples, in order, as one read-only ``[R, W]`` tensor.
+
+        Rows: a zero-copy view of the Arrow buffer. Planes: decoded into fresh memory.
+        """
+        offs = column.offsets.to_numpy()
+        start, stop = (int(offs[0]), int(offs[-1])) if len(column) else (0, 0)
+        if not self.planes:
+            return block_view(column.values, start, stop, self.width, self.dtype)
+        value_offs = _value_offsets(column.values)
+        data = column.values.buffers()[2]
+        rows = self.rows(column)
+        if not rows.sum():
+            return read_only(torch.empty((0, self.width), dtype=self.dtype))
+        out = np.empty(int(rows.sum()) * self.width, _UINT[self.itemsize])
+        at = 0
+        for j, n in enumerate(rows):
+            if not n:
+                continue
+            first = int(value_offs[offs[j]])
+            planes = np.frombuffer(data, np.uint8, count=self.itemsize * n * self.width, offset=first)
+            _join(planes.reshape(self.itemsize, -1), out[at:at + n * self.width])
+            at += n * self.width
+        return read_only(torch.from_numpy(out.view(np.uint8)).view(self.dtype).view(-1, self.width))
+
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+
+def _split(values: np.ndarray, itemsize: int) -> np.ndarray:
+    """Unsigned integers [n] -> their byte planes [itemsize, n], little-endian byte k in plane k."""
+    planes = np.empty((itemsize, len(values)), np.uint8)
+    for k in range(itemsize):
+        planes[k] = values >> (8 * k) if k else values  # assignment casts to uint8: keeps byte k
+    return planes
+
+
+def _join(planes: np.ndarray, out: np.ndarray) -> None:
+    """Byte planes [itemsize, n] -> unsigned integers [n] in ``out`` (the inverse of :func:`_split`)."""
+    out[:] = planes[-1]
+    for k in range(len(planes) - 2, -1, -1):
+        out <<= 8
+        out |= planes[k]
+
+
+def column_rows(column: pa.ChunkedArray, metadata: Mapping, group: Mapping) -> np.ndarray:
+    """Stored rows of each sample of a hidden column (all chunks), [S] int64."""
+    cells = Cells.of(metadata, group)
+    return np.concatenate([cells.rows(c) for c in column.chunks]) if column.num_chunks else np.zeros(0, np.int64)
+
+
+def decode(cell, width: int, dtype: str = "bfloat16", codec: str = DEFAULT_CODEC) -> np.ndarray:
+    """One sample's cell of a hidden column, as pandas or pyarrow give it, -> ``[rows, W]`` numpy array.
+
+    ``cell`` is the sequence of ``bytes`` (pandas: an object array; pyarrow: ``ListScalar.as_py()``).
+    bfloat16 comes back as its uint16 bit patterns (numpy has no bfloat16): ``torch.from_numpy(a).view(
+    torch.bfloat16)``. ``codec`` and ``dtype`` are in the shard's metadata (``hsx.open(path).metadata``).
     """
-    nbytes = width * torch.empty((), dtype=dtype).element_size()
-    kind = pa.list_(pa.large_binary())
-    chunks = []
-    for p in parts:
-        if p.dtype != dtype or p.dim() != 2 or p.shape[1] != width:
-            raise ShardError(f"hidden rows of shape {tuple(p.shape)} {p.dtype}; column expects [rows, {width}] {dtype}")
-        rows = p.shape[0]
-        raw = p.contiguous().view(torch.uint8).numpy().reshape(-1) if rows else np.zeros(0, np.uint8)
-        offsets = np.arange(rows + 1, dtype=np.int64) * nbytes
-        values = pa.Array.from_buffers(pa.large_binary(), rows, [None, pa.py_buffer(offsets), pa.py_buffer(raw)])
-        chunks.append(pa.ListArray.from_arrays(pa.array(np.array([0, rows], dtype=np.int32)), values))
-    return pa.chunked_array(chunks, type=kind)
-
-
-def rows_view(column: pa.ListArray, index: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """Sample ``index`` of a hidden column chunk as a ``[rows, W]`` tensor sharing the Arrow buffer."""
-    start, stop = column.offsets[index].as_py(), column.offsets[index + 1].as_py()
-    return block_view(column.values, start, stop, width, dtype)
+    kind = dtype_of(dtype)
+    np_dtype = {torch.bfloat16: np.uint16, torch.float16: np.float16, torch.float32: np.float32}[kind]
+    size = np.dtype(np_dtype).itemsize
+    values = [np.frombuffer(v, np.uint8) for v in cell]
+    if CODECS[codec_of({"codec": codec})][1] == "rows":
+        return (np.concatenate(values) if values else np.zeros(0, np.uint8)).view(np_dtype).reshape(-1, width)
+    if len(values) != size or len({len(v) for v in values}) != 1:
+        raise ShardError(f"a {codec} cell of {dtype} holds {size} equal byte planes; got lengths {[len(v) for v in values]}")
+    return np.stack(values, axis=-1).reshape(-1).view(np_dtype).reshape(-1, width)
 
 
 def block_view(values: pa.Array, start: int, stop: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """Rows ``[start, stop)`` of a column's values as a zero-copy, read-only ``[rows, W]`` tensor.
+    """Rows ``[start, stop)`` of a rows-layout column's values as a zero-copy, read-only ``[rows, W]`` tensor.
 
-    ``values`` is ``large_binary`` (version 2: every value must be one row long) or
-    ``fixed_size_binary`` (version 1).
+    ``values`` is ``large_binary`` (versions 2-4: every value is one row long, see
+    :meth:`Cells.check`) or ``fixed_size_binary`` (version 1).
     """
     row_bytes = width * torch.empty((), dtype=dtype).element_size()
     rows = stop - start
@@ -161,8 +301,6 @@ def block_view(values: pa.Array, start: int, stop: int, width: int, dtype: torch
             raise ShardError(f"column stores {values.type.byte_width}-byte rows; metadata says {width} x {dtype}")
         buf, offset = values.buffers()[1], (values.offset + start) * row_bytes
     else:
-        # Every value's length was checked when the shard was loaded (check_row_bytes): the span
-        # of the block is enough here.
         offs = _value_offsets(values)[start:stop + 1]
         if rows and int(offs[-1] - offs[0]) != rows * row_bytes:
             raise ShardError(f"rows {start}..{stop - 1} span {int(offs[-1] - offs[0])} bytes; metadata says "
@@ -180,20 +318,16 @@ def _value_offsets(values: pa.Array) -> np.ndarray:
 
 
 def check_row_bytes(table: pa.Table, meta: Mapping, where: str) -> None:
-    """Every stored row of every hidden column is ``width * itemsize`` bytes long (version 2).
+    """Every hidden cell has the lengths its layout requires (versions 2-4).
 
     Version 1 types carry the width (``fixed_size_binary``) and were checked with the schema.
     """
     if meta.get("format_version") == 1:
         return
     for g in meta["layers"]:
-        row_bytes = g["width"] * itemsize(meta["dtype"])
+        cells = Cells.of(meta, g)
         for chunk in table.column(g["name"]).chunks:
-            lengths = np.diff(_value_offsets(chunk.values)[chunk.offsets[0].as_py():chunk.offsets[-1].as_py() + 1]) if len(chunk) else ()
-            bad = np.flatnonzero(np.asarray(lengths) != row_bytes)
-            if len(bad):
-                raise ShardError(f"{where}: column {g['name']!r} has a {int(lengths[bad[0]])}-byte row; metadata "
-                                 f"says width {g['width']} x {meta['dtype']} = {row_bytes} bytes per row")
+            cells.check(chunk, where, g["name"])
 
 
 def _frombuffer(buf: pa.Buffer, dtype: torch.dtype, count: int, offset: int) -> torch.Tensor:
@@ -224,7 +358,7 @@ def config_sha256(model_config) -> str:
 
 def build_metadata(*, layers: list[dict], dtype: str, mode: str, model: dict | None = None,
                    tokenizer: dict | None = None, engine: dict | None = None, speculative: dict | None = None,
-                   dataset: dict | None = None, keep: str = "all", **extra) -> dict:
+                   dataset: dict | None = None, keep: str = "all", codec: str = DEFAULT_CODEC, **extra) -> dict:
     """The metadata blob every shard and the manifest carry (docs/FORMAT.md lists the fields)."""
     from hsx import __version__
 
@@ -232,11 +366,13 @@ def build_metadata(*, layers: list[dict], dtype: str, mode: str, model: dict | N
     if mode not in COVERS:
         raise ShardError(f"unknown mode {mode!r}; expected one of {sorted(COVERS)}")
     positions.check_rule(keep, mode)
+    codec_of({"codec": codec})
     return {
         "format_version": FORMAT_VERSION,
         "hsx_version": __version__,
         "mode": mode,
         "dtype": dtype,
+        "codec": codec,
         "layers": [{**g, "dtype": dtype, "row_bytes": g["width"] * itemsize(dtype)} for g in layers],
         "layer_convention": "boundary 0 = embedding output; boundary b = output of block b-1 before the "
                             "final norm; final = output of the final norm (input of lm_head)",

@@ -123,8 +123,9 @@ class TokenLoader(IterableDataset):
     def _rows(self, table: pa.Table, meta: dict, where: str, first: int, block: _Block) -> dict[str, np.ndarray]:
         fmt.check_row_bytes(table, {**meta, "layers": self._layers}, where)
         ids, prompt, mask = (table.column(c).combine_chunks() for c in _BASE)
-        hidden = {g["name"]: _raw_rows(table.column(g["name"]), g, meta["dtype"]) for g in self._layers}
-        labels = row_labels(meta, ids, prompt, mask, _lengths(table.column(self._layers[0]["name"])), where, self.where)
+        hidden = {g["name"]: _raw_rows(table.column(g["name"]), meta, g) for g in self._layers}
+        rows = fmt.column_rows(table.column(self._layers[0]["name"]), meta, self._layers[0])
+        labels = row_labels(meta, ids, prompt, mask, rows, where, self.where)
         sample = labels.owner + first
         # a block shared by several consumers: each takes every parts-th sample
         chosen = np.flatnonzero(labels.chosen & (sample % block.parts == block.part))
@@ -268,20 +269,13 @@ def _check_file(path: Path, entry: ShardEntry | None) -> None:
         raise ShardError(f"{path}: checksum {digest} does not match the manifest's {entry.xxh3_128} (corrupt)")
 
 
-def _lengths(col: pa.ChunkedArray) -> np.ndarray:
-    return np.concatenate([np.diff(c.offsets.to_numpy()) for c in col.chunks]).astype(np.int64) if col.num_chunks else np.zeros(0, np.int64)
-
-
-def _raw_rows(col: pa.ChunkedArray, group: dict, dtype: str) -> np.ndarray:
-    """``[R, row_bytes]`` uint8 rows of a column (zero-copy when the row group is one chunk)."""
-    parts = []
-    for c in col.chunks:
-        offs = c.offsets.to_numpy()
-        t = fmt.block_view(c.values, int(offs[0]), int(offs[-1]), group["width"], fmt.dtype_of(dtype))
-        parts.append(t.view(torch.uint8).numpy().reshape(-1, group["width"] * fmt.itemsize(dtype)))
+def _raw_rows(col: pa.ChunkedArray, meta: dict, group: dict) -> np.ndarray:
+    """``[R, row_bytes]`` uint8 rows of a column (zero-copy for the rows layout in one chunk)."""
+    cells = fmt.Cells.of(meta, group)
+    parts = [cells.block(c).view(torch.uint8).numpy().reshape(-1, cells.row_bytes) for c in col.chunks]
     if len(parts) == 1:
         return parts[0]
-    return np.concatenate(parts) if parts else np.zeros((0, group["width"] * fmt.itemsize(dtype)), np.uint8)
+    return np.concatenate(parts) if parts else np.zeros((0, cells.row_bytes), np.uint8)
 
 
 def tokens_loader(path: str | Path, columns: Sequence[str] | None = None, where: str = "all", batch_size: int = 1024,

@@ -1,8 +1,12 @@
 """The manifest: the list of committed shards, the source of truth for readers and resume.
 
-A shard exists for hsx only once the manifest names it. Files in the directory that it does
-not name (a temp file of a crashed write, a shard renamed just before a crash) are ignored by
-readers, listed by ``hsx verify`` and overwritten by a resumed run.
+A shard exists for hsx only once the manifest names it. It is written under a hidden staging
+name (``.NAME.part``), committed to the manifest, and only then renamed to its visible name, so
+that a tool listing the directory sees committed shards only. The manifest and the run's config
+are hidden files too (``.hsx-manifest.json``, ``.hsx-config.json``): pandas, pyarrow and datasets
+skip names starting with a dot. Files the manifest does not name (an attempt that never
+committed, a crashed write) are ignored by readers, listed by ``hsx verify`` and overwritten by a
+resumed run. Directories written before format 4 have ``manifest.json`` and ``config.json``.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import xxhash
 
 from hsx.errors import ShardError
 
-MANIFEST = "manifest.json"
-CONFIG = "config.json"  # the resolved run configuration, written beside the manifest
+MANIFEST = ".hsx-manifest.json"
+CONFIG = ".hsx-config.json"  # the resolved run configuration, written beside the manifest
+LEGACY_MANIFEST, LEGACY_CONFIG = "manifest.json", "config.json"  # before format 4
 MANIFEST_FORMAT = "hsx-manifest"
 
 
@@ -62,7 +67,35 @@ class Manifest:
 
 
 def manifest_path(directory: Path) -> Path:
-    return Path(directory) / MANIFEST
+    """The directory's manifest: ``.hsx-manifest.json``, or ``manifest.json`` in an output written before format 4."""
+    path = Path(directory) / MANIFEST
+    legacy = Path(directory) / LEGACY_MANIFEST
+    return legacy if not path.exists() and legacy.exists() else path
+
+
+def staged_name(name: str) -> str:
+    """Where shard ``name`` is written until the manifest commits it (hidden from directory readers)."""
+    return f".{name}.part"
+
+
+def shard_path(directory: Path, name: str) -> Path:
+    """A committed shard's file: its visible name, or its staging name if a crash came between the
+    manifest's save and the rename (its size and checksum are checked against the manifest all the same)."""
+    path = Path(directory) / name
+    staged = Path(directory) / staged_name(name)
+    return staged if not path.exists() and staged.exists() else path
+
+
+def publish(directory: Path, shards: list["ShardEntry"]) -> None:
+    """Rename committed shards still under their staging names to their visible names."""
+    moved = False
+    for s in shards:
+        staged = Path(directory) / staged_name(s.file)
+        if staged.exists():
+            os.replace(staged, Path(directory) / s.file)
+            moved = True
+    if moved:
+        fsync_dir(Path(directory))
 
 
 def load_manifest(directory: str | Path) -> Manifest:

@@ -21,7 +21,7 @@ import torch
 
 from hsx.errors import ShardError
 from hsx.shards import format as fmt
-from hsx.shards.manifest import MANIFEST, ErrorRecord, ShardEntry, bytes_checksum, load_manifest
+from hsx.shards.manifest import ErrorRecord, ShardEntry, bytes_checksum, load_manifest, manifest_path, shard_path
 from hsx.shards import positions
 from hsx.shards.readonly import read_only
 
@@ -43,6 +43,10 @@ class _Column:
         k = int(np.searchsorted(self.starts, row, side="right")) - 1
         return self.chunks[k], row - int(self.starts[k])
 
+    def chunk_of(self, row: int) -> tuple[int, int]:
+        k = int(np.searchsorted(self.starts, row, side="right")) - 1
+        return k, row - int(self.starts[k])
+
 
 class _Shard:
     def __init__(self, path: Path, table: pa.Table, metadata: dict):
@@ -52,6 +56,8 @@ class _Shard:
         self.cols = {name: _Column(table.column(name)) for name in table.column_names}
         self.dtypes = fmt.dtype_of(metadata["dtype"])
         self.widths = {g["name"]: g["width"] for g in metadata["layers"]}
+        self.cells = {g["name"]: fmt.Cells.of(metadata, g) for g in metadata["layers"]}
+        self._blocks: dict[tuple[str, int], tuple[torch.Tensor, np.ndarray]] = {}  # decoded planes, per chunk
 
     def scalar(self, name: str, row: int):
         chunk, i = self.cols[name].locate(row)
@@ -67,15 +73,30 @@ class _Shard:
     def hidden(self, name: str, row: int) -> torch.Tensor:
         if name not in self.widths:
             raise KeyError(f"{self.path.name}: no hidden-state column {name!r}; columns: {list(self.widths)}")
-        chunk, i = self.cols[name].locate(row)
-        return fmt.rows_view(chunk, i, self.widths[name], self.dtypes)
+        k, i = self.cols[name].chunk_of(row)
+        block, starts = self.block(name, k)
+        return block[int(starts[i]):int(starts[i + 1])]
+
+    def block(self, name: str, k: int) -> tuple[torch.Tensor, np.ndarray]:
+        """Chunk ``k`` of a hidden column as one ``[R, W]`` tensor and its samples' row offsets.
+
+        Rows layout: a view of the Arrow buffer. Planes: decoded once, then kept with the shard,
+        so that every sample of the chunk is a view of the same memory.
+        """
+        got = self._blocks.get((name, k))
+        if got is None:
+            chunk, cells = self.cols[name].chunks[k], self.cells[name]
+            got = cells.block(chunk), np.concatenate([[0], np.cumsum(cells.rows(chunk))])
+            if cells.planes:
+                self._blocks[(name, k)] = got
+        return got
 
     def num_rows(self, row: int) -> int:
         name = next(iter(self.widths), None)
         if name is None:
             return 0
         chunk, i = self.cols[name].locate(row)
-        return chunk.offsets[i + 1].as_py() - chunk.offsets[i].as_py()
+        return int(self.cells[name].rows(chunk.slice(i, 1))[0])
 
 
 def load_shard(path: Path, entry: ShardEntry | None) -> _Shard:
@@ -325,10 +346,10 @@ class ShardDataset:
             s = self._shard(k)
             chunks = zip(s.cols[name].chunks, s.cols["input_ids"].chunks, s.cols["prompt_len"].chunks,
                          s.cols["loss_mask"].chunks, s.cols[name].starts)
-            for chunk_h, chunk_ids, chunk_prompt, chunk_mask, base in chunks:
-                offs = chunk_h.offsets.to_numpy()
-                hidden.append(fmt.block_view(chunk_h.values, int(offs[0]), int(offs[-1]), width, dtype))
-                labels = row_labels(self.metadata, chunk_ids, chunk_prompt, chunk_mask, np.diff(offs), str(s.path))
+            for c, (chunk_h, chunk_ids, chunk_prompt, chunk_mask, base) in enumerate(chunks):
+                block, starts = s.block(name, c)
+                hidden.append(block)
+                labels = row_labels(s.metadata, chunk_ids, chunk_prompt, chunk_mask, np.diff(starts), str(s.path))
                 owner.append(global_of[labels.owner + int(self._starts[k] + base)])
                 pos.append(labels.position)
                 tok.append(labels.token_id)
@@ -368,17 +389,17 @@ def open_shards(path: str | Path, cache_shards: int = 4) -> ShardDataset:
     path = Path(path)
     if path.is_dir():
         m = load_manifest(path)
-        paths = [path / s.file for s in m.shards]
+        paths = [shard_path(path, s.file) for s in m.shards]
         return ShardDataset(paths, list(m.shards), [s.samples for s in m.shards], m.metadata, m.errors, cache_shards,
                             _source_order(m.shards))
     if not path.exists():
         raise ShardError(f"{path}: no such file or directory")
     entry = None
-    if (path.parent / MANIFEST).exists():
+    if manifest_path(path.parent).exists():
         m = load_manifest(path.parent)
-        entry = next((s for s in m.shards if s.file == path.name), None)
+        entry = next((s for s in m.shards if shard_path(path.parent, s.file) == path), None)
         if entry is None:
-            raise ShardError(f"{path}: not listed in {path.parent / MANIFEST} (an uncommitted or stray file)")
+            raise ShardError(f"{path}: not listed in {manifest_path(path.parent)} (an uncommitted or stray file)")
     shard = load_shard(path, entry)
     ds = ShardDataset([path], [entry], [shard.table.num_rows], shard.metadata, (), cache_shards)
     ds._cache[0] = shard

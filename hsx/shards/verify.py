@@ -16,7 +16,8 @@ from hsx.errors import ShardError
 from hsx.shards import format as fmt
 from hsx.shards import positions
 from hsx.shards.lock import LOCK
-from hsx.shards.manifest import CONFIG, MANIFEST, Manifest, ShardEntry, load_manifest
+from hsx.shards.manifest import (CONFIG, LEGACY_CONFIG, LEGACY_MANIFEST, MANIFEST, Manifest, ShardEntry, load_manifest,
+                                 shard_path)
 from hsx.shards.reader import load_shard
 
 
@@ -58,7 +59,7 @@ def check_table(table: pa.Table, meta: dict) -> list[str]:
     else:  # the keep rule needs a loss mask per token; the mask fault is reported below
         want, rule = fmt.expected_rows(n_tok, meta["mode"]), f"{meta['mode']} mode covers positions {fmt.COVERS[meta['mode']]}"
     for g in meta["layers"]:
-        got = _lengths(table.column(g["name"]))
+        got = fmt.column_rows(table.column(g["name"]), meta, g)
         bad = np.flatnonzero(got != want)
         for j in bad[:5]:
             faults.append(f"sample {ids[j]!r}: {got[j]} rows of {g['name']!r} for {n_tok[j]} tokens; {rule} ({want[j]} rows)")
@@ -69,6 +70,8 @@ def check_table(table: pa.Table, meta: dict) -> list[str]:
     prompt = table.column("prompt_len").to_numpy()
     for j in np.flatnonzero((prompt < 0) | (prompt > n_tok))[:5]:
         faults.append(f"sample {ids[j]!r}: prompt_len {prompt[j]} outside 0..{n_tok[j]}")
+    if "positions" in table.column_names and np.array_equal(mask_len, n_tok):
+        faults += _check_positions(table, meta, ids, n_tok)
     faults += _check_accept(table, ids, n_tok - prompt)
     faults += _check_finite(table, meta, ids)
     return faults
@@ -101,20 +104,35 @@ def _check_accept(table: pa.Table, ids: list[str], completion: np.ndarray) -> li
     return faults
 
 
+def _check_positions(table: pa.Table, meta: dict, ids: list[str], n_tok: np.ndarray) -> list[str]:
+    """The ``positions`` column (format 4) lists exactly the positions the ``keep`` rule gives."""
+    offsets = np.concatenate([[0], np.cumsum(n_tok)])
+    mask = pc.list_flatten(table.column("loss_mask")).to_numpy(zero_copy_only=False)
+    owner, want = positions.kept(fmt.keep_of(meta), meta["mode"], n_tok, table.column("prompt_len").to_numpy().astype(np.int64),
+                                 mask, offsets)
+    got = pc.list_flatten(table.column("positions")).to_numpy(zero_copy_only=False)
+    got_owner = np.repeat(np.arange(len(n_tok)), _lengths(table.column("positions")))
+    if len(got) == len(want) and np.array_equal(got, want) and np.array_equal(got_owner, owner):
+        return []
+    bad = next((j for j in range(len(n_tok)) if not np.array_equal(got[got_owner == j], want[owner == j])), 0)
+    return [f"sample {ids[bad]!r}: positions column {got[got_owner == bad][:8].tolist()}... differs from what "
+            f"keep={fmt.keep_of(meta)!r} gives {want[owner == bad][:8].tolist()}..."]
+
+
 def _check_finite(table: pa.Table, meta: dict, ids: list[str]) -> list[str]:
     faults = []
-    dtype = fmt.dtype_of(meta["dtype"])
     for g in meta["layers"]:
+        cells = fmt.Cells.of(meta, g)
         first_row = 0  # table row of the chunk's first sample (one chunk per row group)
         for chunk in table.column(g["name"]).chunks:
-            offs = chunk.offsets.to_numpy()
-            block = fmt.block_view(chunk.values, int(offs[0]), int(offs[-1]), g["width"], dtype)
+            offs = np.concatenate([[0], np.cumsum(cells.rows(chunk))])  # row offsets of the chunk's samples
+            block = cells.block(chunk)
             finite = torch.isfinite(block).all(dim=1).numpy()
             if not finite.all():
                 row = int(np.flatnonzero(~finite)[0])
-                owner = int(np.searchsorted(offs, int(offs[0]) + row, side="right")) - 1
+                owner = int(np.searchsorted(offs, row, side="right")) - 1
                 faults.append(f"column {g['name']!r}: {int((~finite).sum())} rows with NaN/Inf (first in sample "
-                              f"{ids[first_row + owner]!r}, position {int(offs[0]) + row - offs[owner]})")
+                              f"{ids[first_row + owner]!r}, position {row - int(offs[owner])})")
             first_row += len(chunk)
     return faults
 
@@ -132,11 +150,11 @@ def verify(path: str | Path) -> VerifyReport:
         report.faults.append(str(e))
         return report
     report.errors = len(m.errors)
-    named = {s.file for s in m.shards} | {MANIFEST, CONFIG, LOCK}
+    named = {s.file for s in m.shards} | {MANIFEST, CONFIG, LEGACY_MANIFEST, LEGACY_CONFIG, LOCK}
     report.ignored = sorted(p.name for p in path.iterdir() if p.is_file() and p.name not in named)
     seen: set[str] = set()
     for entry in m.shards:
-        r = _verify_one(path / entry.file, entry, m)
+        r = _verify_one(shard_path(path, entry.file), entry, m)
         dup = seen.intersection(entry.sample_ids)
         if dup:
             r.faults.append(f"sample ids also in an earlier shard: {sorted(dup)[:5]}")
@@ -157,7 +175,8 @@ def _verify_one(path: Path, entry: ShardEntry | None, m: Manifest | None) -> Sha
         r.faults.append("shard metadata differs from the manifest's")
     r.faults += check_table(shard.table, shard.metadata)
     if shard.metadata["layers"]:
-        r.rows = int(_lengths(shard.table.column(shard.metadata["layers"][0]["name"])).sum())
+        g = shard.metadata["layers"][0]
+        r.rows = int(fmt.column_rows(shard.table.column(g["name"]), shard.metadata, g).sum())
     if entry is not None and r.rows != entry.rows:
         r.faults.append(f"{r.rows} rows, manifest says {entry.rows}")
     return r
@@ -184,7 +203,7 @@ def inspect(path: str | Path) -> dict:
     path = Path(path)
     if path.is_dir():
         m = load_manifest(path)
-        files = [path / s.file for s in m.shards]
+        files = [shard_path(path, s.file) for s in m.shards]
         meta, errors, complete = m.metadata, m.errors, m.complete
     elif path.exists():
         files = [path]

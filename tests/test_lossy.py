@@ -157,3 +157,53 @@ def test_lossy_cells_of_the_wrong_width_are_refused(tmp_path, codec):
 def test_a_decoded_cell_of_the_wrong_shape_is_refused():
     with pytest.raises(ShardError, match="3"):
         hsx.decode([b"\x01\x02", b"\x00"], 2, "int8", "planes-zstd")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict:
+    from hsx.demo.models import build_tiny_llama
+    from hsx.demo.tokenizer import build_demo_tokenizer
+
+    root = tmp_path_factory.mktemp("lossy")
+    tok = build_demo_tokenizer()
+    target = build_tiny_llama(num_layers=6, hidden_size=96, vocab_size=len(tok), seed=3,
+                              eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    target.save_pretrained(root / "target")
+    tok.save_pretrained(root / "target")
+    rows = [{"id": f"t{i}", "text": "the quick brown fox jumps over the lazy dog " * (1 + i)} for i in range(5)]
+    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"root": root, "target": str(root / "target"), "data": str(root / "data.jsonl")}
+
+
+def cli_extract(tiny: dict, dtype: str, mode: str) -> Path:
+    from typer.testing import CliRunner
+
+    from hsx.cli import app
+
+    out = tiny["root"] / f"{mode}-{dtype}"
+    if not out.exists():
+        result = CliRunner().invoke(app, ["extract", "--model", tiny["target"], "--dataset", tiny["data"], "--id-field", "id",
+                                          "--mode", mode, "--max-new-tokens", "6", "--layers", "final,eagle3,2",
+                                          "--dtype", dtype, "--output", str(out), "--quiet"])
+        assert result.exit_code == 0, result.output
+    return out
+
+
+@pytest.mark.parametrize("mode", ["prefill", "generate"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_extract_with_a_lossy_dtype_reads_back_within_its_bound(tiny, kind, mode):
+    from hsx.eagle3 import Eagle3Dataset
+    from hsx.recompute.tolerance import UNIT_ROUNDOFF
+
+    ref, lossy = hsx.open(cli_extract(tiny, "float32", mode)), hsx.open(cli_extract(tiny, kind, mode))
+    assert lossy.metadata["dtype"] == kind and lossy.metadata["format_version"] == 5
+    assert lossy.sample_ids == ref.sample_ids and len(lossy) == 5
+    for name in ref.columns:
+        want, got = ref.tokens(name).hidden.double(), lossy.tokens(name).hidden
+        assert got.dtype == torch.bfloat16 and got.shape == want.shape
+        rel = (got.double() - want).norm(dim=1) / want.norm(dim=1)
+        assert 0 < rel.max() <= UNIT_ROUNDOFF[kind], (name, rel.max())
+    for a, b in zip(Eagle3Dataset(ref), Eagle3Dataset(lossy)):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and b["aux_hidden_state"].dtype == torch.bfloat16
+        assert torch.allclose(a["aux_hidden_state"].float(), b["aux_hidden_state"].float(), rtol=0.1, atol=0.1)
+    assert not verify(cli_extract(tiny, kind, mode)).faults

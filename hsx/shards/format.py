@@ -1,4 +1,4 @@
-"""Shard format v4 (and v1-v3 for reading): the Arrow schema, the metadata blob, the hidden-state cells.
+"""Shard format v5 (and v1-v4 for reading): the Arrow schema, the metadata blob, the hidden-state cells.
 
 One Parquet row per sample. Hidden-state columns are ``list<large_binary>`` in one of two
 layouts, named by the metadata's ``codec`` (docs/FORMAT.md gives them byte by byte):
@@ -12,7 +12,8 @@ layouts, named by the metadata's ``codec`` (docs/FORMAT.md gives them byte by by
   squeezes the first and leaves the second, where interleaved it does worse on both. Parquet
   compresses the pages with zstd across samples (a shared prompt prefix is found again).
 
-Both are bit-exact (bfloat16 kept as its 16-bit pattern; Arrow has no bfloat16), and both store
+Both are bit-exact for the lossless dtypes (bfloat16 kept as its 16-bit pattern; Arrow has no
+bfloat16); the lossy dtypes of version 5 (:class:`QuantCells`) store codes and scales. All store
 the column as BYTE_ARRAY pages in DELTA_LENGTH_BYTE_ARRAY encoding: the equal lengths pack into a
 few bytes and the data stays contiguous, with one repetition level per value, not per float.
 """

@@ -69,7 +69,8 @@ def probe(ds, tokenizer) -> dict:
     positive = A.starts_with_space(table["next_token"]).to_numpy()
     labels = np.where(has_next, positive, -1)
     res = A.probe_layers(ds, labels, table=table)
-    return {str(r["layer"]): {"accuracy": float(r["accuracy"]), "baseline": float(r["baseline"])}
+    return {str(r["layer"]): {"accuracy": float(r["accuracy"]), "baseline": float(r["baseline"]),
+                              "majority": float(r["majority"]), "n_test": int(r["n_test"])}
             for _, r in res.iterrows()}
 
 

@@ -1,4 +1,4 @@
-"""Format version 4 against older versions: pandas, pyarrow and datasets read shards and output directories,
+"""Format version 5 against older versions: pandas, pyarrow and datasets read shards and output directories,
 v1 and v3 outputs still read, rows stay read-only."""
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ def extract(
     mode: Annotated[str, _cfg("generate: prompt + completion; prefill: teacher-forced over whole conversations.")] = _D.mode,
     layers: Annotated[str, _cfg("Comma-separated layer groups: final, eagle3, boundary numbers (0 = embeddings, L = last block before the norm).")] = _D.layers,
     keep: Annotated[str, _cfg("Positions that get rows: all, completion (rows that produced the completion), loss (rows predicting a loss_mask token), last (one row per sample).")] = _D.keep,
-    dtype: Annotated[str, _cfg("Stored dtype: bfloat16 (bit-exact), float16, float32.")] = _D.dtype,
+    dtype: Annotated[str, _cfg("Stored dtype: bfloat16 (bit-exact), float16, float32; lossy: int8, float8_e4m3 (docs/STORAGE.md).")] = _D.dtype,
     split: Annotated[str, _cfg("Dataset split.")] = _D.split,
     limit: Annotated[Optional[int], _opt("Process only the first N rows.")] = None,
     id_field: Annotated[Optional[str], _opt("Column holding a stable sample id (default: split:index).")] = None,

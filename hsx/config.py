@@ -48,7 +48,7 @@ class ExtractConfig:
     mode: Mode = "generate"
     layers: str = "final"
     eagle3_layer_ids: list[int] | None = None  # draft-config ids; default: read from the draft config if any
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    dtype: Literal["bfloat16", "float16", "float32", "int8", "float8_e4m3"] = "bfloat16"
     keep: Literal["all", "completion", "loss", "last"] = "all"  # which positions get rows (hsx.shards.positions)
     # decoding
     batch_size: int = 8  # rows per forward: requests decoding together (generate), sequences per forward (prefill)
@@ -93,8 +93,8 @@ class ExtractConfig:
             raise HsxError("no output directory given (--output DIR)")
         if self.mode not in ("generate", "prefill"):
             raise HsxError(f"--mode must be generate or prefill, got {self.mode!r}")
-        if self.dtype not in ("bfloat16", "float16", "float32"):
-            raise HsxError(f"--dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.dtype not in ("bfloat16", "float16", "float32", "int8", "float8_e4m3"):
+            raise HsxError(f"--dtype must be bfloat16, float16, float32, int8 or float8_e4m3, got {self.dtype!r}")
         if self.compression not in ("planes-zstd", "zstd", "none"):
             raise HsxError(f"--compression must be planes-zstd, zstd or none, got {self.compression!r}")
         if self.batch_size < 1 or self.max_new_tokens < 1:

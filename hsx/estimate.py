@@ -15,7 +15,7 @@ import numpy as np
 from hsx.config import ExtractConfig
 from hsx.errors import HsxError, SampleError
 from hsx.shards import positions
-from hsx.shards.format import itemsize
+from hsx.shards.format import row_bytes as stored_row_bytes
 
 # Compressed / raw bytes of the hidden columns, per codec, measured on SmolLM2-135M-Instruct states
 # (final,eagle3 in bf16, the demo chats in prefill; scripts/bench_format.py, docs/STORAGE.md).
@@ -91,7 +91,7 @@ def estimate(cfg: ExtractConfig) -> Estimate:
     offsets = np.concatenate([[0], np.cumsum(n_tok_a)])
     mask = np.concatenate(masks) if masks else np.zeros(0, np.uint8)
     rows = positions.stored_rows(cfg.keep, cfg.mode, n_tok_a, np.asarray(prompt, np.int64), mask, offsets)
-    row_bytes = sum(g.width for g in groups) * itemsize(cfg.dtype)
+    row_bytes = sum(stored_row_bytes(g.width, cfg.dtype) for g in groups)
     raw = int(rows.sum()) * row_bytes
     on_disk = int(raw * CODEC_RATIO[cfg.compression] + BASE_BYTES_PER_TOKEN * int(n_tok_a.sum()))
     shards = max(math.ceil(on_disk / (cfg.max_shard_mb << 20)), math.ceil(len(n_tok) / cfg.max_shard_samples)) if n_tok else 0

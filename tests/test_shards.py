@@ -463,7 +463,9 @@ MALFORMED = {
     "layers-not-a-list": lambda m: json.dumps({**m, "layers": 3}).encode(),
     "layer-without-width": lambda m: json.dumps({**m, "layers": [{"name": "l0"}]}).encode(),
     "layer-width-mismatch": lambda m: json.dumps({**m, "layers": [{**m["layers"][0], "width": 7}]}).encode(),
-    "unknown-dtype": lambda m: json.dumps({**m, "dtype": "int8"}).encode(),
+    "unknown-dtype": lambda m: json.dumps({**m, "dtype": "int4"}).encode(),
+    "bfloat16-cells-labelled-int8": lambda m: json.dumps({**m, "dtype": "int8"}).encode(),
+    "lossy-dtype-before-version-5": lambda m: json.dumps({**m, "dtype": "float8_e4m3", "format_version": 4}).encode(),
     "unknown-mode": lambda m: json.dumps({**m, "mode": "decode"}).encode(),
     "no-mode": lambda m: json.dumps({k: v for k, v in m.items() if k != "mode"}).encode(),
 }

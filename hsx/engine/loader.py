@@ -10,7 +10,7 @@ from hsx.align import LayerGroup, ModelShape, parse_layers
 from hsx.config import ExtractConfig
 from hsx.engine.batching import prefill_batches
 from hsx.errors import HsxError
-from hsx.shards.format import DTYPES
+from hsx.shards.format import DTYPES, dtype_of
 
 
 def resolve_device(device: str) -> torch.device:
@@ -76,7 +76,7 @@ class HFRunner:
         self.groups: list[LayerGroup] = parse_layers(cfg.layers, self.shape, ids)
         self.context_length = getattr(model.config, "max_position_embeddings", None)
         self.spec = SpecSettings(*cfg.spec_settings()) if cfg.speculative else None
-        self.engine = HFEngine(model, self.groups, draft_model=draft, spec=self.spec, store_dtype=DTYPES[cfg.dtype])
+        self.engine = HFEngine(model, self.groups, draft_model=draft, spec=self.spec, store_dtype=dtype_of(cfg.dtype))
         stops = set()
         for source in (getattr(model, "generation_config", None), self.tokenizer):
             eos = getattr(source, "eos_token_id", None)

@@ -46,7 +46,7 @@ from hsx.config import ExtractConfig
 from hsx.engine.loader import eagle3_ids_from_config
 from hsx.engine.sglang_capture import ERROR, PREFILL, CaptureSpec, Column, check_version, discard, read_records
 from hsx.errors import AlignmentError, HsxError, SampleError
-from hsx.shards.format import DTYPES
+from hsx.shards.format import DTYPE_NAMES, DTYPES, dtype_of
 
 MIN_VERSION = "0.5.23"  # spec-V2 verify keeps every request's accepted rows (dropped/misattributed before)
 SPEC_ALGORITHMS = ("EAGLE", "EAGLE3")
@@ -185,7 +185,7 @@ class SGLangRunner:
         self._requests = 0
         self.plan = self._plan(draft_config)
         self.groups: list[LayerGroup] = list(self.plan.groups)
-        self.store_dtype = DTYPES[cfg.dtype]
+        self.store_dtype = dtype_of(cfg.dtype)
         self.stop_token_ids = sorted(self._stop_tokens())
         try:
             self.engine = self.sglang.Engine(**self.plan.engine_args)
@@ -227,7 +227,7 @@ class SGLangRunner:
             groups = [self._list_group(groups, algorithm, draft_ids, model_type, args)]
         else:
             groups, columns, widths = self._columns(groups, algorithm, draft_ids, model_type, args)
-            capture = CaptureSpec(_capture_dir(), f"hsx{uuid.uuid4().hex[:12]}-", cfg.dtype, columns, widths,
+            capture = CaptureSpec(_capture_dir(), f"hsx{uuid.uuid4().hex[:12]}-", DTYPE_NAMES[dtype_of(cfg.dtype)], columns, widths,
                                   tree=algorithm is not None and cfg.spec_settings()[1] > 1)
             atexit.register(shutil.rmtree, capture.dir, True)
 

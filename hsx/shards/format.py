@@ -1,4 +1,4 @@
-"""Shard format v4 (and v1-v3 for reading): the Arrow schema, the metadata blob, the hidden-state cells.
+"""Shard format v5 (and v1-v4 for reading): the Arrow schema, the metadata blob, the hidden-state cells.
 
 One Parquet row per sample. Hidden-state columns are ``list<large_binary>`` in one of two
 layouts, named by the metadata's ``codec`` (docs/FORMAT.md gives them byte by byte):
@@ -12,7 +12,8 @@ layouts, named by the metadata's ``codec`` (docs/FORMAT.md gives them byte by by
   squeezes the first and leaves the second, where interleaved it does worse on both. Parquet
   compresses the pages with zstd across samples (a shared prompt prefix is found again).
 
-Both are bit-exact (bfloat16 kept as its 16-bit pattern; Arrow has no bfloat16), and both store
+Both are bit-exact for the lossless dtypes (bfloat16 kept as its 16-bit pattern; Arrow has no
+bfloat16); the lossy dtypes of version 5 (:class:`QuantCells`) store codes and scales. All store
 the column as BYTE_ARRAY pages in DELTA_LENGTH_BYTE_ARRAY encoding: the equal lengths pack into a
 few bytes and the data stays contiguous, with one repetition level per value, not per float.
 """
@@ -28,11 +29,11 @@ import torch
 import xxhash
 
 from hsx.errors import HsxError, ShardError
-from hsx.shards import positions
+from hsx.shards import positions, quant
 from hsx.shards.readonly import read_only
 
-FORMAT_VERSION = 4  # 4: codec (planes layout), positions column, hidden manifest and staged shards
-READABLE_VERSIONS = (1, 2, 3, 4)
+FORMAT_VERSION = 5  # 5: lossy dtypes; 4: codec (planes layout), positions column, hidden manifest and staged shards
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 # Hidden-state codecs: Parquet page compression of the hidden columns, and their cell layout.
 CODECS = {"planes-zstd": ("zstd", "planes"), "zstd": ("zstd", "rows"), "none": ("none", "rows")}
 DEFAULT_CODEC = "planes-zstd"
@@ -47,6 +48,9 @@ DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
 }
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+# Lossy stored dtypes (version 5, hsx.shards.quant): codes plus per-group scales, read back as bfloat16.
+LOSSY = tuple(quant.CODES)
+READ_DTYPE_OF_LOSSY = torch.bfloat16
 
 # Columns every shard has, in order; hidden-state columns follow.
 BASE_FIELDS = [
@@ -68,14 +72,25 @@ COVERS = {"generate": "0..N-2", "prefill": "0..N-1"}
 
 
 def itemsize(dtype_name: str) -> int:
-    return torch.empty((), dtype=dtype_of(dtype_name)).element_size()
+    """Stored bytes per value (a lossy dtype's scales come on top: :func:`row_bytes`)."""
+    return 1 if dtype_name in LOSSY else torch.empty((), dtype=dtype_of(dtype_name)).element_size()
+
+
+def row_bytes(width: int, dtype_name: str) -> int:
+    """Stored bytes of one row of ``width`` values, scales included."""
+    if dtype_name in LOSSY:
+        return width + quant.groups(width) * 2
+    return width * itemsize(dtype_name)
 
 
 def dtype_of(name: str) -> torch.dtype:
+    """The dtype readers give a column stored as ``name`` (bfloat16 for the lossy dtypes)."""
+    if name in LOSSY:
+        return READ_DTYPE_OF_LOSSY
     try:
         return DTYPES[name]
     except KeyError:
-        raise ShardError(f"unknown hidden-state dtype {name!r}; expected one of {sorted(DTYPES)}") from None
+        raise ShardError(f"unknown hidden-state dtype {name!r}; expected one of {sorted(DTYPES) + list(LOSSY)}") from None
 
 
 def hidden_type(width: int, dtype_name: str, version: int = FORMAT_VERSION) -> pa.DataType:
@@ -131,6 +146,8 @@ def read_metadata(schema: pa.Schema, where: str) -> dict:
         expected_rows(np.zeros(0, dtype=np.int64), meta["mode"])
         positions.check_rule(keep_of(meta), meta["mode"], "keep")
         codec_of(meta)
+        if meta["dtype"] in LOSSY and version < 5:
+            raise ShardError(f"dtype {meta['dtype']!r} is lossy, which version {version} shards do not have")
     except (KeyError, TypeError, ValueError, pa.ArrowException, HsxError) as e:
         raise ShardError(f"{where}: malformed hsx metadata ({type(e).__name__}: {e})") from None
     return meta
@@ -152,9 +169,17 @@ class Cells:
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.row_bytes = width * self.itemsize
 
+    @property
+    def decodes(self) -> bool:
+        """Whether reading decodes into fresh memory (else a block is a view of the Arrow buffer)."""
+        return self.planes
+
     @classmethod
     def of(cls, metadata: Mapping, group: Mapping) -> "Cells":
-        return cls(group["width"], dtype_of(metadata["dtype"]), CODECS[codec_of(metadata)][1] == "planes")
+        planes = CODECS[codec_of(metadata)][1] == "planes"
+        if metadata["dtype"] in LOSSY:
+            return QuantCells(group["width"], metadata["dtype"], planes)
+        return cls(group["width"], dtype_of(metadata["dtype"]), planes)
 
     # -- writing
 
@@ -245,6 +270,99 @@ class Cells:
         return read_only(torch.from_numpy(out.view(np.uint8)).view(self.dtype).view(-1, self.width))
 
 
+class QuantCells(Cells):
+    """Cells of a lossy dtype (docs/FORMAT.md, version 5): int8 or e4m3 codes and bfloat16 group scales.
+
+    Planes: three values per sample, the codes of the ``[rows, W]`` block (one byte a value, row-major),
+    then byte 0 and byte 1 of its ``[rows, G]`` scales. Rows: one value per row, its W codes then its G
+    scales (2 bytes each, little-endian). Blocks decode to bfloat16.
+    """
+
+    def __init__(self, width: int, kind: str, planes: bool):
+        super().__init__(width, READ_DTYPE_OF_LOSSY, planes)
+        self.kind, self.groups = kind, quant.groups(width)
+        self.stored_row_bytes = row_bytes(width, kind)
+
+    @property
+    def decodes(self) -> bool:
+        return True
+
+    def encode(self, parts: list[torch.Tensor]) -> pa.ChunkedArray:
+        chunks = []
+        for p in parts:
+            if not p.is_floating_point() or p.dim() != 2 or p.shape[1] != self.width:
+                raise ShardError(f"hidden rows of shape {tuple(p.shape)} {p.dtype}; column expects [rows, {self.width}] floats")
+            try:
+                codes, scale = quant.quantize(p, self.kind)
+            except ValueError as e:
+                raise ShardError(f"{self.kind} column of width {self.width}: {e}") from None
+            rows = p.shape[0]
+            c = codes.view(torch.uint8).numpy()
+            sc = scale.view(torch.uint8).numpy().reshape(rows, self.groups * 2)
+            if self.planes:
+                s16 = sc.reshape(-1).view(np.uint16)
+                data = np.concatenate([c.reshape(-1), _split(s16, 2).reshape(-1)])
+                lengths = np.array([0, rows * self.width, rows * self.groups, rows * self.groups], np.int64)
+                offsets, values = np.cumsum(lengths), 3
+            else:
+                data = np.concatenate([c, sc], axis=1)
+                values = rows
+                offsets = np.arange(rows + 1, dtype=np.int64) * self.stored_row_bytes
+            cell = pa.Array.from_buffers(pa.large_binary(), values, [None, pa.py_buffer(offsets), pa.py_buffer(np.ascontiguousarray(data).reshape(-1))])
+            chunks.append(pa.ListArray.from_arrays(pa.array(np.array([0, values], dtype=np.int32)), cell))
+        return pa.chunked_array(chunks, type=pa.list_(pa.large_binary()))
+
+    def check(self, column: pa.ListArray, where: str, name: str) -> None:
+        if not len(column):
+            return
+        offs = column.offsets.to_numpy()
+        lengths = np.diff(_value_offsets(column.values)[offs[0]:offs[-1] + 1])
+        if not self.planes:
+            bad = np.flatnonzero(lengths != self.stored_row_bytes)
+            if len(bad):
+                raise ShardError(f"{where}: column {name!r} has a {int(lengths[bad[0]])}-byte row; metadata says width "
+                                 f"{self.width} x {self.kind} = {self.stored_row_bytes} bytes per row (scales included)")
+            return
+        per_sample = np.diff(offs)
+        if (per_sample != 3).any():
+            j = int(np.flatnonzero(per_sample != 3)[0])
+            raise ShardError(f"{where}: column {name!r}, sample {j} of a row group: {int(per_sample[j])} values; "
+                             f"a {self.kind} cell holds 3 (codes, scale bytes 0 and 1)")
+        v = lengths.reshape(-1, 3)
+        rows = v[:, 0] // self.width
+        bad = np.flatnonzero((v[:, 0] % self.width != 0) | (v[:, 1] != rows * self.groups) | (v[:, 2] != v[:, 1]))
+        if len(bad):
+            raise ShardError(f"{where}: column {name!r}, sample {int(bad[0])} of a row group: values of "
+                             f"{v[bad[0]].tolist()} bytes; expected rows x {self.width} codes and 2 x rows x {self.groups} scale bytes")
+
+    def block(self, column: pa.ListArray) -> torch.Tensor:
+        offs = column.offsets.to_numpy()
+        start, stop = (int(offs[0]), int(offs[-1])) if len(column) else (0, 0)
+        value_offs = _value_offsets(column.values)
+        data = column.values.buffers()[2] if len(column.values) else None
+        if stop == start or data is None:
+            return read_only(torch.empty((0, self.width), dtype=self.dtype))
+        first, last = int(value_offs[start]), int(value_offs[stop])
+        raw = np.frombuffer(data, np.uint8, count=last - first, offset=first)
+        if not self.planes:
+            rows = raw.reshape(-1, self.stored_row_bytes)
+            codes = rows[:, :self.width]
+            scale = np.ascontiguousarray(rows[:, self.width:]).view(np.uint16)
+        else:
+            codes_parts, scale_parts = [], []
+            for j in range(len(column)):  # one sample per step: three slices, no per-value work
+                a, b, c, d = (int(value_offs[offs[j] + k]) - first for k in range(4))
+                codes_parts.append(raw[a:b].reshape(-1, self.width))
+                s16 = np.empty(c - b, np.uint16)
+                _join(np.stack([raw[b:c], raw[c:d]]), s16)
+                scale_parts.append(s16.reshape(-1, self.groups))
+            codes, scale = np.concatenate(codes_parts), np.concatenate(scale_parts)
+        code_dtype = quant.CODES[self.kind][0]
+        c = torch.from_numpy(np.ascontiguousarray(codes)).view(code_dtype)
+        s = torch.from_numpy(np.ascontiguousarray(scale)).view(quant.SCALE_DTYPE)
+        return read_only(quant.dequantize(c, s, self.dtype))
+
+
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
 
@@ -274,9 +392,11 @@ def decode(cell, width: int, dtype: str = "bfloat16", codec: str = DEFAULT_CODEC
     """One sample's cell of a hidden column, as pandas or pyarrow give it, -> ``[rows, W]`` numpy array.
 
     ``cell`` is the sequence of ``bytes`` (pandas: an object array; pyarrow: ``ListScalar.as_py()``).
-    bfloat16 comes back as its uint16 bit patterns (numpy has no bfloat16): ``torch.from_numpy(a).view(
+    A lossy dtype (``int8``, ``float8_e4m3``) comes back dequantised, as float32. bfloat16 comes back as its uint16 bit patterns (numpy has no bfloat16): ``torch.from_numpy(a).view(
     torch.bfloat16)``. ``codec`` and ``dtype`` are in the shard's metadata (``hsx.open(path).metadata``).
     """
+    if dtype in LOSSY:
+        return _decode_lossy(cell, width, dtype, codec)
     kind = dtype_of(dtype)
     np_dtype = {torch.bfloat16: np.uint16, torch.float16: np.float16, torch.float32: np.float32}[kind]
     size = np.dtype(np_dtype).itemsize
@@ -286,6 +406,14 @@ def decode(cell, width: int, dtype: str = "bfloat16", codec: str = DEFAULT_CODEC
     if len(values) != size or len({len(v) for v in values}) != 1:
         raise ShardError(f"a {codec} cell of {dtype} holds {size} equal byte planes; got lengths {[len(v) for v in values]}")
     return np.stack(values, axis=-1).reshape(-1).view(np_dtype).reshape(-1, width)
+
+
+def _decode_lossy(cell, width: int, dtype: str, codec: str) -> np.ndarray:
+    values = [bytes(v) for v in cell]
+    cells = QuantCells(width, dtype, CODECS[codec_of({"codec": codec})][1] == "planes")
+    column = pa.ListArray.from_arrays(pa.array(np.array([0, len(values)], np.int32)), pa.array(values, pa.large_binary()))
+    cells.check(column, "decode", f"{dtype} cell")
+    return cells.block(column).float().numpy()
 
 
 def block_view(values: pa.Array, start: int, stop: int, width: int, dtype: torch.dtype) -> torch.Tensor:
@@ -373,7 +501,7 @@ def build_metadata(*, layers: list[dict], dtype: str, mode: str, model: dict | N
         "mode": mode,
         "dtype": dtype,
         "codec": codec,
-        "layers": [{**g, "dtype": dtype, "row_bytes": g["width"] * itemsize(dtype)} for g in layers],
+        "layers": [{**g, "dtype": dtype, "row_bytes": row_bytes(g["width"], dtype)} for g in layers],
         "layer_convention": "boundary 0 = embedding output; boundary b = output of block b-1 before the "
                             "final norm; final = output of the final norm (input of lm_head)",
         "alignment": {

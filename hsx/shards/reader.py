@@ -87,7 +87,7 @@ class _Shard:
         if got is None:
             chunk, cells = self.cols[name].chunks[k], self.cells[name]
             got = cells.block(chunk), np.concatenate([[0], np.cumsum(cells.rows(chunk))])
-            if cells.planes:
+            if cells.decodes:
                 self._blocks[(name, k)] = got
         return got
 

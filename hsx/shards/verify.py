@@ -217,7 +217,7 @@ def inspect(path: str | Path) -> dict:
     prompt = t.column("prompt_len").to_numpy() if t.num_rows else np.zeros(0, np.int64)
     covered = int(fmt.expected_rows(n_tok, meta["mode"]).sum())
     rows = int(stored_rows(t, meta).sum()) if t.num_rows else 0
-    row_bytes = sum(g["width"] * fmt.itemsize(meta["dtype"]) for g in meta["layers"])
+    row_bytes = sum(fmt.row_bytes(g["width"], meta["dtype"]) for g in meta["layers"])
     size = sum(f.stat().st_size for f in files)
     accept = pc.list_flatten(t.column("accept_lens")).to_numpy(zero_copy_only=False) if t.num_rows else np.zeros(0)
     summary = {

@@ -240,7 +240,7 @@ def extract(
         check_extract(cfg, overwrite)  # before torch is imported: a mistake costs a second, not a model load
         from hsx.pipeline import extract as run_extract
 
-        summary = run_extract(cfg, overwrite=overwrite, progress=not quiet)
+        summary = run_extract(cfg, overwrite=overwrite, progress=not quiet, checked=True)
     except KeyboardInterrupt:
         from hsx.report import format_interrupted
 
@@ -285,9 +285,11 @@ def export_speculators(
     src: PathArg,
     dst: Annotated[Path, typer.Argument(help="Output directory: speculators' --data-path (dataset + hidden_states/).")],
     target_layer_ids: Annotated[Optional[str], _opt("Aux boundaries, vLLM's target_layer_ids (block inputs = hsx boundaries), e.g. 2,15,27 (default: the eagle3 column's). Boundary L is always added last.")] = None,
-    quiet: Annotated[bool, _opt("No progress bar.", "--quiet", "-q")] = False,
+    quiet: Quiet = False,
+    verbose: Verbose = False,
 ) -> None:
     """Write speculators' offline EAGLE3 data (hidden_states/hs_*.safetensors + its Arrow dataset); resumable."""
+    quiet_libraries(verbose)
     from hsx.export import export_speculators as run_export
 
     ids = _int_list(target_layer_ids, "--target-layer-ids")
@@ -306,9 +308,11 @@ def export_saelens(
     hook_name: Annotated[Optional[str], _opt("Column name (default: TransformerLens' hook for the boundary, e.g. blocks.5.hook_resid_pre).")] = None,
     dtype: Annotated[str, _opt("float32 (exact for every stored dtype) or float16.")] = "float32",
     concat: Annotated[bool, _opt("Pack samples back to back (default) or one context per sample (--no-concat).", "--concat/--no-concat")] = True,
-    quiet: Annotated[bool, _opt("No progress bar.", "--quiet", "-q")] = False,
+    quiet: Quiet = False,
+    verbose: Verbose = False,
 ) -> None:
     """Write one column as SAELens cached activations (a save_to_disk dataset of fixed contexts)."""
+    quiet_libraries(verbose)
     from hsx.export import export_saelens as run_export
 
     s = run_export(src, dst, column=column, context_size=context_size, hook_name=hook_name, dtype=dtype,

@@ -16,13 +16,15 @@ from hsx.shards.lock import OutputLock
 __all__ = ["RunSummary", "check_resume", "differences", "extract", "make_renderer"]
 
 
-def extract(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool = True) -> RunSummary:
+def extract(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool = True, checked: bool = False) -> RunSummary:
     """Run an extraction described by ``cfg``; resumes an interrupted run into the same output.
 
     The output directory is locked for the whole run (:class:`~hsx.shards.lock.OutputLock`).
-    With ``cfg.ray`` the work is spread over Ray workers (:mod:`hsx.scale`).
+    With ``cfg.ray`` the work is spread over Ray workers (:mod:`hsx.scale`). ``checked``: the caller
+    has run :func:`hsx.preflight.check_extract` on ``cfg`` already.
     """
-    check_extract(cfg, overwrite)
+    if not checked:  # the CLI runs the checks itself, before torch is imported
+        check_extract(cfg, overwrite)
     if cfg.ray:
         from hsx.scale import extract_ray
 

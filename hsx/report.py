@@ -142,7 +142,7 @@ def format_run(s) -> str:
     ]
     if not s.workers:  # under --ray each worker has its own writer
         lines.append(f"  shard writer: the engine waited {s.writer_blocked_s:.2f} s on it (its threads busy {s.writer_busy_s:.1f} s)")
-    if s.workers:
+    else:
         lines.append(f"  ray: {s.workers} workers" + (f"; {s.retried} unit(s) retried on another worker after "
                                                       "theirs was lost" if s.retried else ""))
     if s.resumed:

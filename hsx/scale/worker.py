@@ -16,10 +16,10 @@ import uuid
 from dataclasses import asdict
 from pathlib import Path
 
-from hsx.config import ExtractConfig
 import numpy as np
 import torch
 
+from hsx.config import ExtractConfig
 from hsx.core import Failure, Resumed, RunSummary, make_renderer, results, run_metadata, write_results
 from hsx.errors import HsxError
 from hsx.shards.background import BackgroundSink

@@ -169,11 +169,6 @@ class Cells:
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.row_bytes = width * self.itemsize
 
-    @property
-    def decodes(self) -> bool:
-        """Whether reading decodes into fresh memory (else a block is a view of the Arrow buffer)."""
-        return self.planes
-
     @classmethod
     def of(cls, metadata: Mapping, group: Mapping) -> "Cells":
         planes = CODECS[codec_of(metadata)][1] == "planes"
@@ -201,9 +196,7 @@ class Cells:
                 values, lengths = self.itemsize, rows * self.width
             else:
                 data, values, lengths = raw, rows, self.row_bytes
-            offsets = np.arange(values + 1, dtype=np.int64) * lengths
-            cell = pa.Array.from_buffers(pa.large_binary(), values, [None, pa.py_buffer(offsets), pa.py_buffer(data.reshape(-1))])
-            chunks.append(pa.ListArray.from_arrays(pa.array(np.array([0, values], dtype=np.int32)), cell))
+            chunks.append(_cell(np.arange(values + 1, dtype=np.int64) * lengths, data))
         return pa.chunked_array(chunks, type=pa.list_(pa.large_binary()))
 
     # -- reading
@@ -213,16 +206,16 @@ class Cells:
         counts = np.diff(column.offsets.to_numpy()).astype(np.int64)
         if not self.planes:
             return counts
-        offs = column.offsets.to_numpy()
-        first = _value_offsets(column.values)[offs[:-1]] if len(column) else np.zeros(0, np.int64)
-        return (_value_offsets(column.values)[np.minimum(offs[:-1] + 1, offs[-1])] - first) // self.width
+        if not len(column):
+            return np.zeros(0, np.int64)
+        offs, value_offs = column.offsets.to_numpy(), _value_offsets(column.values)
+        return (value_offs[np.minimum(offs[:-1] + 1, offs[-1])] - value_offs[offs[:-1]]) // self.width
 
     def check(self, column: pa.ListArray, where: str, name: str) -> None:
         """Every value of the chunk has the length its layout requires."""
         if not len(column):
             return
-        offs = column.offsets.to_numpy()
-        lengths = np.diff(_value_offsets(column.values)[offs[0]:offs[-1] + 1])
+        offs, lengths = _value_lengths(column)
         if not self.planes:
             bad = np.flatnonzero(lengths != self.row_bytes)
             if len(bad):
@@ -283,10 +276,6 @@ class QuantCells(Cells):
         self.kind, self.groups = kind, quant.groups(width)
         self.stored_row_bytes = row_bytes(width, kind)
 
-    @property
-    def decodes(self) -> bool:
-        return True
-
     def encode(self, parts: list[torch.Tensor]) -> pa.ChunkedArray:
         chunks = []
         for p in parts:
@@ -302,21 +291,17 @@ class QuantCells(Cells):
             if self.planes:
                 s16 = sc.reshape(-1).view(np.uint16)
                 data = np.concatenate([c.reshape(-1), _split(s16, 2).reshape(-1)])
-                lengths = np.array([0, rows * self.width, rows * self.groups, rows * self.groups], np.int64)
-                offsets, values = np.cumsum(lengths), 3
+                offsets = np.cumsum(np.array([0, rows * self.width, rows * self.groups, rows * self.groups], np.int64))
             else:
                 data = np.concatenate([c, sc], axis=1)
-                values = rows
                 offsets = np.arange(rows + 1, dtype=np.int64) * self.stored_row_bytes
-            cell = pa.Array.from_buffers(pa.large_binary(), values, [None, pa.py_buffer(offsets), pa.py_buffer(np.ascontiguousarray(data).reshape(-1))])
-            chunks.append(pa.ListArray.from_arrays(pa.array(np.array([0, values], dtype=np.int32)), cell))
+            chunks.append(_cell(offsets, data))
         return pa.chunked_array(chunks, type=pa.list_(pa.large_binary()))
 
     def check(self, column: pa.ListArray, where: str, name: str) -> None:
         if not len(column):
             return
-        offs = column.offsets.to_numpy()
-        lengths = np.diff(_value_offsets(column.values)[offs[0]:offs[-1] + 1])
+        offs, lengths = _value_lengths(column)
         if not self.planes:
             bad = np.flatnonzero(lengths != self.stored_row_bytes)
             if len(bad):
@@ -364,6 +349,19 @@ class QuantCells(Cells):
 
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+
+def _cell(offsets: np.ndarray, data: np.ndarray) -> pa.ListArray:
+    """One sample's cell: a list of the ``large_binary`` values that ``offsets`` cut out of ``data``."""
+    values = pa.Array.from_buffers(pa.large_binary(), len(offsets) - 1,
+                                   [None, pa.py_buffer(offsets), pa.py_buffer(np.ascontiguousarray(data).reshape(-1))])
+    return pa.ListArray.from_arrays(pa.array(np.array([0, len(offsets) - 1], dtype=np.int32)), values)
+
+
+def _value_lengths(column: pa.ListArray) -> tuple[np.ndarray, np.ndarray]:
+    """A column chunk's list offsets and the byte length of each of its binary values."""
+    offs = column.offsets.to_numpy()
+    return offs, np.diff(_value_offsets(column.values)[offs[0]:offs[-1] + 1])
 
 
 def _split(values: np.ndarray, itemsize: int) -> np.ndarray:

@@ -57,7 +57,7 @@ class _Shard:
         self.dtypes = fmt.dtype_of(metadata["dtype"])
         self.widths = {g["name"]: g["width"] for g in metadata["layers"]}
         self.cells = {g["name"]: fmt.Cells.of(metadata, g) for g in metadata["layers"]}
-        self._blocks: dict[tuple[str, int], tuple[torch.Tensor, np.ndarray]] = {}  # decoded planes, per chunk
+        self._blocks: dict[tuple[str, int], tuple[torch.Tensor, np.ndarray]] = {}  # (column, chunk) -> block, row offsets
 
     def scalar(self, name: str, row: int):
         chunk, i = self.cols[name].locate(row)
@@ -80,15 +80,13 @@ class _Shard:
     def block(self, name: str, k: int) -> tuple[torch.Tensor, np.ndarray]:
         """Chunk ``k`` of a hidden column as one ``[R, W]`` tensor and its samples' row offsets.
 
-        Rows layout: a view of the Arrow buffer. Planes: decoded once, then kept with the shard,
-        so that every sample of the chunk is a view of the same memory.
+        Rows layout: a view of the Arrow buffer. Planes: decoded once. Either is kept with the shard,
+        so that every sample of the chunk is a view of the same memory, found in O(1).
         """
         got = self._blocks.get((name, k))
         if got is None:
             chunk, cells = self.cols[name].chunks[k], self.cells[name]
-            got = cells.block(chunk), np.concatenate([[0], np.cumsum(cells.rows(chunk))])
-            if cells.decodes:
-                self._blocks[(name, k)] = got
+            got = self._blocks[(name, k)] = cells.block(chunk), np.concatenate([[0], np.cumsum(cells.rows(chunk))])
         return got
 
     def num_rows(self, row: int) -> int:

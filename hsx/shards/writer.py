@@ -276,6 +276,7 @@ class ShardSink:
         self._next = 0 if names else 1 + max((int(m.group(1)) for m in numbered if m), default=-1)
         if persist:  # shards a crash left committed but not yet renamed
             publish(self.dir, manifest.shards)
+        self._published = len(manifest.shards)  # manifest entries before this are under their visible names
 
     def add(self, record: Record) -> None:
         self._buffer.append(record)
@@ -372,7 +373,8 @@ class ShardSink:
             except OSError as e:
                 raise ShardError(f"{self.dir}: could not save the manifest ({e.strerror or e}); the shards committed "
                                  "by the last save stay committed. Free space and run the same command again.") from e
-            publish(self.dir, self.manifest.shards)
+            publish(self.dir, self.manifest.shards[self._published:])  # the ones this save committed
+            self._published = len(self.manifest.shards)
 
     def commit(self) -> None:
         """Make everything added so far durable: close every lane's shard, record them in the manifest."""

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from hsx.demo.tokenizer import build_demo_tokenizer
 from hsx.errors import HsxError
 from hsx.pipeline import extract
 from hsx.shards.manifest import load_manifest
+import held_run
 from oracle import oracle_sources
 
 NUM_LAYERS = 8
@@ -193,22 +193,9 @@ def test_sigkill_then_resume_gives_each_sample_once(models, tmp_path):
 
     out = tmp_path / "killed"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-c", "from hsx.cli import main; main()", *_cli_args(models, data, out)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    killed = False
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            m = json.loads((out / ".hsx-manifest.json").read_text())
-        except (OSError, ValueError):
-            m = None
-        if m and len(m["shards"]) >= 2 and not m["complete"]:
-            proc.send_signal(signal.SIGKILL)
-            killed = True
-            break
-        time.sleep(0.01)
-    proc.wait()
-    assert killed, "the run finished before it could be interrupted"
+    proc = held_run.start(held_run.AFTER_SHARDS, _cli_args(models, data, out), env, arg=2)  # 2 shards committed
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
     partial = load_manifest(out)
     assert not partial.complete and 0 < partial.num_samples < len(rows)
 

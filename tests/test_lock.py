@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+import held_run
 from hsx.cli import app
 from hsx.demo.models import build_tiny_llama
 from hsx.demo.tokenizer import build_demo_tokenizer
@@ -89,25 +90,15 @@ def test_two_concurrent_extracts_the_second_is_refused(model, tmp_path):
     args = ["extract", "--model", model, "--dataset", str(data), "--id-field", "id", "-o", str(out),
             "--max-new-tokens", "8", "--batch-size", "2", "--max-shard-samples", "4", "--quiet"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    first = subprocess.Popen([sys.executable, "-c", "from hsx.cli import main; main()", *args], env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = held_run.start(held_run.AFTER_LOCK, args, env)  # holds the lock until killed
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and first.poll() is None:
-            try:
-                if json.loads((out / LOCK).read_text())["pid"] == first.pid:
-                    break
-            except (OSError, ValueError):
-                pass
-            time.sleep(0.02)
-        assert first.poll() is None, "the first run ended before the second could start"
         second = CliRunner().invoke(app, args)
         said = second.output + str(second.exception)
         assert second.exit_code != 0 and isinstance(second.exception, HsxError), said
         assert f"pid {first.pid} on host {socket.gethostname()}" in said and "started" in said
     finally:
         first.send_signal(signal.SIGKILL)
-        first.wait()
+        first.communicate()
     # the killed run's lock is stale now: a third run takes it over and finishes the output
     third = CliRunner().invoke(app, args)
     assert third.exit_code == 0, third.output

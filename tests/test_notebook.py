@@ -4,8 +4,9 @@ target + draft pair writes through ``hsx.pipeline.extract`` (speculative decodin
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import sys
-import time
 from pathlib import Path
 
 import nbformat
@@ -14,9 +15,11 @@ import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 from nbclient import NotebookClient
+from typer.testing import CliRunner
 
 import hsx
 from hsx import analysis as A
+from hsx.cli import app
 from hsx.config import ExtractConfig
 from hsx.demo.models import build_tiny_llama, make_layerskip_draft
 from hsx.demo.tokenizer import build_demo_tokenizer
@@ -24,7 +27,7 @@ from hsx.pipeline import extract
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "analysis.ipynb"
 PROMPTS = Path(__file__).resolve().parents[1] / "hsx" / "demo_data" / "prompts.jsonl"
-NOTEBOOK_SECONDS = 120
+CELL_TIMEOUT_S = 900  # a guard against a hung kernel, not a speed check: the outcome never depends on load
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +41,18 @@ def demo_shards(tmp_path_factory) -> Path:
     for name, m in (("target", target), ("draft", draft)):
         m.save_pretrained(root / name)
         tok.save_pretrained(root / name)
-    cfg = ExtractConfig(model=str(root / "target"), draft_model=str(root / "draft"), dataset=str(PROMPTS),
+    # the models given relative to the run's folder, as a user types them: the notebook, run from
+    # notebooks/, must still find the tokenizer
+    cfg = ExtractConfig(model="target", draft_model="draft", dataset=str(PROMPTS),
                         id_field="id", limit=16, output=str(root / "shards"), layers="final,eagle3,0,8",
                         max_new_tokens=10, batch_size=16, spec_num_steps=3, spec_topk=1, spec_num_draft_tokens=4,
                         max_shard_samples=6)
-    summary = extract(cfg, progress=False)
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        summary = extract(cfg, progress=False)
+    finally:
+        os.chdir(cwd)
     assert summary.samples == 16 and summary.errors == 0
     return root / "shards"
 
@@ -76,12 +86,9 @@ def test_notebook_executes_on_fresh_shards(demo_shards, tmp_path, monkeypatch):
     monkeypatch.setenv("HSX_SHARDS", str(demo_shards))
     monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend makes the figures
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    client = NotebookClient(nb, km=kernel_manager(tmp_path), timeout=NOTEBOOK_SECONDS,
+    client = NotebookClient(nb, km=kernel_manager(tmp_path), timeout=CELL_TIMEOUT_S,
                             resources={"metadata": {"path": str(NOTEBOOK.parent)}})
-    start = time.perf_counter()
     client.execute()  # raises CellExecutionError naming the failing cell
-    seconds = time.perf_counter() - start
-    assert seconds < NOTEBOOK_SECONDS, f"notebook took {seconds:.0f} s"
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
@@ -110,3 +117,26 @@ def test_helpers_on_extracted_shards(demo_shards):
     assert stats.histogram.sum() == sum(len(s.accept_lens) for s in ds)
     layers = [sl.label for sl in A.layer_sources(ds)]
     assert layers == ["b0", "b2", "b4", "b5", "b8", "final"]
+
+
+def test_the_runs_model_and_tokenizer_are_found_from_another_directory(demo_shards, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # "target", as the run was given it, is not here
+    ds = hsx.open(demo_shards)
+    assert ds.metadata["model"]["path"] == "target"  # what the user typed stays recorded
+    assert ds.metadata["model"]["resolved_path"] == str((demo_shards.parent / "target").resolve())
+    assert ds.model_path() == (demo_shards.parent / "target").resolve()
+    tok = ds.tokenizer()
+    assert tok.decode(ds[0].input_ids[:5].tolist()) == A.load_tokenizer(ds).decode(ds[0].input_ids[:5].tolist())
+    checked = CliRunner().invoke(app, ["verify", str(demo_shards), "--recompute", "--samples", "3", "--quiet"])
+    assert checked.exit_code == 0, checked.output
+    assert "recompute: OK" in checked.output
+
+
+def test_a_tokenizer_that_is_nowhere_is_a_clear_error(demo_shards, tmp_path, monkeypatch):
+    moved = tmp_path / "copy"
+    shutil.copytree(demo_shards, moved)
+    ds = hsx.open(moved)
+    ds.metadata["model"] = ds.metadata["tokenizer"] = {"path": "gone", "resolved_path": "/nowhere/gone"}
+    with pytest.raises(hsx.HsxError, match="not on this machine.*/nowhere/gone"):
+        ds.tokenizer()
+    assert A.load_tokenizer(ds) is None

@@ -140,9 +140,16 @@ def _sha(text: str | None) -> str | None:
     return None if text is None else hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def resolved_path(given: str) -> str | None:
+    """The absolute path of a local model directory (readers find it from any folder), None for a hub id."""
+    path = Path(given).expanduser()
+    return str(path.resolve()) if path.is_dir() else None
+
+
 def _describe_model(path: str, model_config, shape) -> dict:
     return {
         "path": path,
+        "resolved_path": resolved_path(path),
         "model_type": getattr(model_config, "model_type", None),
         "config_sha256": config_sha256(model_config),
         "revision": getattr(model_config, "_commit_hash", None),
@@ -156,6 +163,7 @@ def _describe_tokenizer(cfg: ExtractConfig, tokenizer, chat_template: str | None
     template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
     return {
         "path": cfg.model,
+        "resolved_path": resolved_path(cfg.model),
         "class": type(tokenizer).__name__,
         "vocab_size": len(tokenizer),
         "chat_template_sha256": _sha(template if isinstance(template, str) else json.dumps(template, sort_keys=True) if template else None),
@@ -239,14 +247,17 @@ def make_record(prompt, sample, mode: str, keep: str) -> Record:
                   sample.finish_reason, hidden, sample.accept_lens, sample.verify_steps, ready=sample.ready)
 
 
-def results(engine, rows: Iterable, renderer, cfg: ExtractConfig, done: set[str] = frozenset()) -> Iterator:
+def results(engine, rows: Iterable, renderer, cfg: ExtractConfig, done: set[str] = frozenset(),
+            ordered: bool = True) -> Iterator:
     """Records, failures and resumed counts for ``(index, row)`` pairs, one window of
     ``cfg.window_rows`` source rows at a time (see the module docstring).
 
     The engine schedules a window as it likes (length order, continuous batching) and hands back
-    each result as it finishes. A window whose samples are all in ``done`` is skipped; one that is
-    only partly there (a run stopped inside it) is run whole again and the samples already written
-    are dropped, so every row has the bits a fresh run gives.
+    each result as it finishes; ``ordered`` puts a window's results back in source order (holding
+    at most one window's finished samples), so that shards list their samples in dataset order. A
+    window whose samples are all in ``done`` is skipped; one that is only partly there (a run
+    stopped inside it) is run whole again and the samples already written are dropped, so every
+    row has the bits a fresh run gives.
     """
     for window in windows(pending_prompts(rows, renderer, done), cfg.window_rows):
         if not isinstance(window, list):
@@ -256,13 +267,27 @@ def results(engine, rows: Iterable, renderer, cfg: ExtractConfig, done: set[str]
         yield Resumed(len(written))
         if len(written) == len(window):
             continue
-        for prompt, sample in engine.stream([p for p, _ in window]):
+        prompts = [p for p, _ in window]
+        finished = engine.stream(prompts)
+        for prompt, sample in (in_window_order(finished, prompts) if ordered else finished):
             if prompt.sample_id in written:
                 continue
             if isinstance(sample, SampleError):  # an engine may give up on one sample and go on
                 yield Failure(prompt.sample_id, prompt.source_index, sample.reason)
             else:
                 yield make_record(prompt, sample, cfg.mode, cfg.keep)
+
+
+def in_window_order(finished: Iterable[tuple], prompts: list) -> Iterator[tuple]:
+    """``(prompt, result)`` pairs in any order -> the order of ``prompts``, each pair held until every
+    earlier prompt's has come (an engine hands back each prompt of a window exactly once)."""
+    held, at = {}, 0
+    for prompt, result in finished:
+        held[prompt.source_index] = (prompt, result)
+        while at < len(prompts) and prompts[at].source_index in held:
+            yield held.pop(prompts[at].source_index)
+            at += 1
+    yield from (held[k] for k in sorted(held))
 
 
 def write_results(items, sink, summary: RunSummary, after=lambda item: None) -> None:

@@ -95,7 +95,7 @@ class Feed(torch.utils.data.IterableDataset):
 
             self.source = ray_source(self.cfg, ahead_units=-(-ahead // self.cfg.rows_per_unit))
         else:
-            self.source = _Local(self.cfg)
+            self.source = _Local(self.cfg, ordered)
         self.engine = getattr(self.source, "engine", None)  # None when the engines are Ray workers
         self.rows, self.metadata = self.source.rows, self.source.metadata
         self.summary = RunSummary("")
@@ -169,17 +169,17 @@ class Feed(torch.utils.data.IterableDataset):
 class _Local:
     """The run's engine in this process, over the rows of ``cfg``."""
 
-    def __init__(self, cfg: ExtractConfig):
+    def __init__(self, cfg: ExtractConfig, ordered: bool = True):
         from hsx.engine.loader import build_engine
 
-        self.cfg = cfg
+        self.cfg, self.ordered = cfg, ordered
         self.rows, dataset_meta = open_rows(cfg)
         self.engine = build_engine(cfg)
         self.renderer, chat_template = make_renderer(cfg, self.engine, self.rows.column_names)
         self.metadata = run_metadata(cfg, self.engine, chat_template, dataset_meta)
 
     def items(self) -> Iterator[Record | Failure]:
-        return (item for item in results(self.engine, enumerate(self.rows), self.renderer, self.cfg)
+        return (item for item in results(self.engine, enumerate(self.rows), self.renderer, self.cfg, ordered=self.ordered)
                 if not isinstance(item, Resumed))  # (nothing is resumed: the feed has no output)
 
     def close(self) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -97,12 +98,17 @@ def test_a_full_disk_fails_clearly_keeps_what_was_committed_and_resumes(setup, t
     assert isinstance(failed.exception, hsx.ShardError), failed.output  # `hsx` prints it as "error: ...", exit 2
     msg = " ".join(str(failed.exception).split())
     assert str(out) in msg and "the disk is full" in msg and "No space left on device" in msg
-    assert "while writing shard shard-00002.parquet" in msg and "bytes of it written, removed" in msg
+    # The writer lanes fill files at once, so which shard meets the full disk first varies from run to run;
+    # what holds: the shards before it are committed whole, in order, and the message says so.
     m = load_manifest(out)
-    assert "2 shard(s) committed before it" in msg and f"{sum(s.bytes for s in m.shards):,} bytes by this run" in msg
-    assert [s.file for s in m.shards] == ["shard-00000.parquet", "shard-00001.parquet"] and not m.complete
+    failed_shard = int(re.search(r"while writing shard shard-(\d{5})\.parquet \([\d,]+ bytes of it written, removed\)",
+                                 msg).group(1))
+    committed = [f"shard-{k:05d}.parquet" for k in range(len(m.shards))]
+    assert [s.file for s in m.shards] == committed and 1 <= len(m.shards) <= failed_shard and not m.complete
+    assert f"{len(m.shards)} shard(s) committed before it" in msg
+    assert f"{sum(s.bytes for s in m.shards):,} bytes by this run" in msg
     visible = sorted(p.name for p in out.glob("*.parquet"))
-    assert visible == ["shard-00000.parquet", "shard-00001.parquet"]  # no partial file under a shard name
+    assert visible == committed  # no partial file under a shard name
     assert not list(out.glob(".*.part"))  # the partial shard was removed
     for p in visible:
         pq.read_table(out / p)  # whole, readable files

@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from typer.testing import CliRunner
@@ -171,6 +172,8 @@ def test_two_workers_equal_one_process_and_resume(setup, reference, local_ray, t
     assert_same_output(reference, out)
     m = load_manifest(out)
     assert m.complete and len({s.file.split("-")[1] for s in m.shards}) == NUM_ROWS // 8
+    # plain readers see the shards in unit order, each unit's samples in order: dataset order
+    assert list(pd.read_parquet(out, columns=["sample_id"])["sample_id"]) == hsx.open(out).sample_ids
     again = extract(_config(setup, out, **RAY), progress=False)
     assert again.samples == 0 and again.resumed == NUM_ROWS
     with pytest.raises(HsxError, match="different configuration"):

@@ -15,6 +15,7 @@ import errno
 import os
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
@@ -207,6 +208,14 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}.parquet"
 
 
+class _WriteFailed(Exception):
+    """A lane's write failed; :meth:`ShardSink._surfacing` turns it into the ShardError callers see."""
+
+    def __init__(self, shard: str, error: OSError, written: int):
+        super().__init__(shard, error, written)
+        self.shard, self.error, self.written = shard, error, written
+
+
 SHARD_NAME = re.compile(r"shard-(\d{5})\.parquet")
 
 
@@ -225,13 +234,15 @@ class _Lane:
 class ShardSink:
     """A directory of shards with a manifest; the pipeline's only way to write.
 
-    ``add`` buffers a record; a row group is written when the buffer reaches ``row_group_bytes``,
-    on the next of ``lanes`` shards in turn, each on its own thread (one row group in flight per
-    lane), so that the Parquet encoding and zstd of ``lanes`` shards run at once. A lane's shard is
-    committed (fsync, manifest, rename to its visible name) when it reaches ``max_shard_bytes`` or
-    ``max_shard_samples``; ``commit`` commits every lane. The assignment of row groups to lanes is
-    fixed by the order of ``add`` calls, so the same calls give the same files. Errors recorded
-    with ``add_error`` are committed with the next shard.
+    ``add`` buffers a record; a row group is written when the buffer reaches ``row_group_bytes`` or
+    would fill a shard (``max_shard_bytes``, ``max_shard_samples``). With one lane the row groups
+    fill a shard, which is committed (fsync, manifest, rename to its visible name) when full. With
+    ``lanes`` > 1 each row group is a shard of its own, given to the next lane in turn and written on
+    that lane's thread (one in flight per lane), so that the Parquet encoding and zstd of ``lanes``
+    shards run at once; a lane's shard is committed when its turn comes round again. Either way the
+    shards, in the order of their names, hold the records in the order of the ``add`` calls, and
+    the same calls give the same files. ``commit`` commits every lane. Errors recorded with
+    ``add_error`` are committed with the next shard.
 
     ``names`` gives the k-th shard's file name (default ``shard-00000.parquet``, numbered on from
     the manifest's shards). With ``persist=False`` shards are still written and fsynced under their
@@ -279,11 +290,16 @@ class ShardSink:
         self._published = len(manifest.shards)  # manifest entries before this are under their visible names
 
     def add(self, record: Record) -> None:
+        with self._surfacing():
+            self._add(record)
+
+    def _add(self, record: Record) -> None:
         self._buffer.append(record)
         self._buffer_bytes += record.nbytes()
-        lane = self.lanes[self._turn]  # the lane the buffer goes to
-        full = (lane.bytes + self._buffer_bytes >= self.max_shard_bytes
-                or len(lane.ids) + len(self._buffer) >= self.max_shard_samples)
+        lane = self.lanes[self._turn]  # the lane the buffer goes to (several lanes: a fresh shard)
+        held_bytes, held_samples = (0, 0) if self._threads else (lane.bytes, len(lane.ids))
+        full = (held_bytes + self._buffer_bytes >= self.max_shard_bytes
+                or held_samples + len(self._buffer) >= self.max_shard_samples)
         if self._buffer_bytes >= self.row_group_bytes or full:
             self._flush_row_group()
 
@@ -293,9 +309,12 @@ class ShardSink:
     def _flush_row_group(self) -> None:
         if not self._buffer:
             return
-        lane = self.lanes[self._turn]
-        self._turn = (self._turn + 1) % len(self.lanes)
-        self._wait(lane)
+        k = self._turn  # the lane with the oldest shard
+        if self._threads and self.lanes[k].writer is not None:
+            self._commit_lane(self.lanes[k])  # its row group was written while the other lanes took theirs
+            self._save()
+        self._turn = (k + 1) % len(self.lanes)
+        lane = self.lanes[k]
         if lane.writer is None:
             lane.name = self.names(self._next)
             self._next += 1
@@ -306,9 +325,9 @@ class ShardSink:
         lane.sources += [int(r.source_index) for r in records]
         lane.bytes += nbytes
         if self._threads:
-            lane.pending = self._threads[self.lanes.index(lane)].submit(self._write, lane, records)
-        else:
-            self._write(lane, records)
+            lane.pending = self._threads[k].submit(self._write, lane, records)
+            return
+        self._write(lane, records)
         if lane.bytes >= self.max_shard_bytes or len(lane.ids) >= self.max_shard_samples:
             self._commit_lane(lane)
             self._save()
@@ -324,9 +343,24 @@ class ShardSink:
         return any(lane.pending is not None for lane in self.lanes)
 
     def drain(self) -> None:
-        """Wait for every lane's row group in flight; a failed write raises here."""
-        for lane in self.lanes:
-            self._wait(lane)
+        """Wait for every lane's row group in flight; a failed write raises here, after the shards
+        older than the failed one, all written, are committed."""
+        with self._surfacing():
+            waited = []
+            try:
+                for lane in self._oldest_first():
+                    self._wait(lane)
+                    waited.append(lane)
+            except _WriteFailed:
+                older = [lane for lane in waited if lane.writer is not None]
+                if older:  # whole shards; the error records may name later rows: a resume records them again
+                    self._pending_errors = []
+                    self._commit_lanes(older)
+                raise
+
+    def _oldest_first(self) -> list[_Lane]:
+        n = len(self.lanes)
+        return [self.lanes[(self._turn + j) % n] for j in range(n)]
 
     def _wait(self, lane: _Lane) -> None:
         if lane.pending is not None:
@@ -338,12 +372,22 @@ class ShardSink:
         path = lane.writer.path
         written = path.stat().st_size if path.exists() else 0
         lane.writer.abort()
-        what = "the disk is full" if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else "a write failed"
-        raise ShardError(
-            f"{self.dir}: {what} ({error.strerror or error}) while writing shard {lane.name} ({written:,} bytes of "
-            f"it written, removed); {len(self.manifest.shards)} shard(s) committed before it ({self.bytes_written:,} "
-            "bytes by this run) stay committed. Free space and run the same command again to resume."
-        ) from error
+        raise _WriteFailed(lane.name, error, written) from error
+
+    @contextmanager
+    def _surfacing(self):
+        """A failed write becomes a ShardError saying what the output keeps (counted when raised)."""
+        try:
+            yield
+        except _WriteFailed as failed:
+            error = failed.error
+            what = "the disk is full" if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else "a write failed"
+            raise ShardError(
+                f"{self.dir}: {what} ({error.strerror or error}) while writing shard {failed.shard} ({failed.written:,} "
+                f"bytes of it written, removed); {len(self.manifest.shards)} shard(s) committed before it "
+                f"({self.bytes_written:,} bytes by this run) stay committed. Free space and run the same command "
+                "again to resume."
+            ) from error
 
     def _commit_lane(self, lane: _Lane) -> None:
         """Close the lane's shard, fsync it and add its entry to the manifest (published after the save)."""
@@ -378,9 +422,21 @@ class ShardSink:
 
     def commit(self) -> None:
         """Make everything added so far durable: close every lane's shard, record them in the manifest."""
-        self._flush_row_group()
-        for lane in list(self.lanes):
-            self._commit_lane(lane)
+        with self._surfacing():
+            self._flush_row_group()
+            self._commit_lanes(self._oldest_first())
+
+    def _commit_lanes(self, lanes: list[_Lane]) -> None:
+        """Commit these lanes' shards in turn and save the manifest; when one fails, the ones before it
+        are saved and stay."""
+        try:
+            for lane in lanes:
+                self._commit_lane(lane)
+        except _WriteFailed:
+            self.manifest.complete = False  # close() sets it before its commit
+            self._pending_errors = []  # they may name rows after the failed shard's: a resume records them again
+            self._save()
+            raise
         self._save()
 
     def close(self, complete: bool = True) -> Manifest:

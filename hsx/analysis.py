@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -188,24 +187,15 @@ def token_texts(tokenizer, ids) -> dict[int, str]:
     return {-1: "", **dict(zip(uniq, tokenizer.batch_decode([[i] for i in uniq])))}
 
 
-def load_tokenizer(ds, near=None):
-    """The run's tokenizer when its directory is on this machine, else None (analyse token ids only).
+def load_tokenizer(ds):
+    """The run's tokenizer when its directory is on this machine, else None (analyse token ids only);
+    see :meth:`hsx.shards.reader.ShardDataset.tokenizer`."""
+    from hsx.errors import HsxError
 
-    Tries metadata ``tokenizer.path`` then ``model.path``, as given and, when relative, against the
-    current directory and every folder above ``near`` (the shards path: runs record the path they
-    were given, usually relative to where the run started)."""
-    roots = [Path.cwd()] + (list(Path(near).resolve().parents) if near is not None else [])
-    for key in ("tokenizer", "model"):
-        given = (ds.metadata.get(key) or {}).get("path")
-        if not given:
-            continue
-        for root in roots:
-            path = root / given  # an absolute path ignores root
-            if path.is_dir():
-                from transformers import AutoTokenizer
-
-                return AutoTokenizer.from_pretrained(str(path))
-    return None
+    try:
+        return ds.tokenizer()
+    except HsxError:
+        return None
 
 
 def starts_with_space(texts: pd.Series) -> pd.Series:

@@ -96,10 +96,14 @@ def verify(
         from hsx.recompute import recompute as run_recompute
 
         # the forward reads stored token ids: no tokenizer needed
-        recorded = None if model else (hsx_open(path).metadata.get("model") or {}).get("path")
-        if model or recorded:
-            model_config(model or recorded, "--model" if model else "the shards' model (another copy: --model)",
-                         tokenizer=False)
+        if model:
+            model_config(model, "--model", tokenizer=False)
+        else:
+            ds = hsx_open(path)
+            found = ds.model_path()  # the recorded directory, from any working directory
+            recorded = str(found) if found else (ds.metadata.get("model") or {}).get("path")
+            if recorded:
+                model_config(recorded, "the shards' model (another copy: --model)", tokenizer=False)
         checked = run_recompute(path, model=model, device=device, dtype=model_dtype, samples=samples, seed=seed,
                                 batch_size=batch_size, rtol=rtol, force=force, trust_remote_code=trust_remote_code,
                                 progress=not quiet and not as_json)
@@ -234,18 +238,21 @@ def extract(
         for line in estimate(cfg).lines():
             typer.echo(line)
         return
+    from hsx.stopping import Terminated, exit_code, sigterm_interrupts
+
     try:
-        from hsx.preflight import check_extract
+        with sigterm_interrupts():  # a scheduler's SIGTERM stops the run as Ctrl-C does
+            from hsx.preflight import check_extract
 
-        check_extract(cfg, overwrite)  # before torch is imported: a mistake costs a second, not a model load
-        from hsx.pipeline import extract as run_extract
+            check_extract(cfg, overwrite)  # before torch is imported: a mistake costs a second, not a model load
+            from hsx.pipeline import extract as run_extract
 
-        summary = run_extract(cfg, overwrite=overwrite, progress=not quiet, checked=True)
-    except KeyboardInterrupt:
+            summary = run_extract(cfg, overwrite=overwrite, progress=not quiet, checked=True)
+    except KeyboardInterrupt as stop:
         from hsx.report import format_interrupted
 
-        typer.echo(format_interrupted(cfg.output), err=True)
-        raise typer.Exit(130) from None
+        typer.echo(format_interrupted(cfg.output, "SIGTERM" if isinstance(stop, Terminated) else None), err=True)
+        raise typer.Exit(exit_code(stop)) from None
     if not quiet:
         from hsx.report import format_run
 

@@ -116,13 +116,14 @@ def _select(total: int, samples: int | None, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(total, size=samples, replace=False))
 
 
-def _load_reference(meta: dict, model: str | None, device: str, dtype: str, force: bool, trust_remote_code: bool):
+def _load_reference(meta: dict, model: str | None, device: str, dtype: str, force: bool, trust_remote_code: bool,
+                    found=None):
     from transformers import AutoConfig
 
     from hsx.engine.loader import compute_dtype, resolve_device
 
     recorded = meta.get("model") or {}
-    path = model or recorded.get("path")
+    path = model or (str(found) if found is not None else recorded.get("path"))  # found: from any directory
     if not path:
         raise HsxError("the shards do not name their model (metadata model.path): give --model")
     try:
@@ -167,7 +168,7 @@ def recompute(
     ds = hsx.open(path)
     meta = ds.metadata
     groups = [LayerGroup.from_description(g) for g in meta["layers"]]
-    model_path, ref = _load_reference(meta, model, device, dtype, force, trust_remote_code)
+    model_path, ref = _load_reference(meta, model, device, dtype, force, trust_remote_code, ds.model_path())
     compute = str(ref.dtype).removeprefix("torch.")
     engine_dtype = (meta.get("engine") or {}).get("compute_dtype")
     tol = tolerance_for(meta["dtype"], engine_dtype, compute, rtol)

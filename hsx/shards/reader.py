@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from hsx.errors import ShardError
+from hsx.errors import HsxError, ShardError
 from hsx.shards import format as fmt
 from hsx.shards.manifest import ErrorRecord, ShardEntry, bytes_checksum, load_manifest, manifest_path, shard_path
 from hsx.shards import positions
@@ -321,6 +321,28 @@ class ShardDataset:
         return ShardDataset(self._paths, self._entries, self._counts, self.metadata, self.errors,
                             self._cache_shards, np.asarray(picked, dtype=np.int64))
 
+    def model_path(self) -> Path | None:
+        """The run's model directory, where it is on this machine (see :func:`local_dir`), else None."""
+        return local_dir(self.metadata.get("model") or {}, self._near())
+
+    def tokenizer(self):
+        """The run's tokenizer (``transformers.AutoTokenizer``), from the tokenizer or model directory the
+        metadata names (see :func:`local_dir`); :class:`HsxError` naming what was tried when neither is here."""
+        for key in ("tokenizer", "model"):
+            path = local_dir(self.metadata.get(key) or {}, self._near())
+            if path is not None:
+                from transformers import AutoTokenizer
+
+                return AutoTokenizer.from_pretrained(str(path))
+        tried = sorted({str(v) for key in ("tokenizer", "model") for name in ("resolved_path", "path")
+                        if (v := (self.metadata.get(key) or {}).get(name))})
+        raise HsxError(f"the run's tokenizer is not on this machine (tried {tried or 'nothing: the metadata names no path'} "
+                       "from here and from the folders above the shards); load it yourself with "
+                       "transformers.AutoTokenizer.from_pretrained(PATH)")
+
+    def _near(self) -> Path | None:
+        return self._paths[0].resolve().parent if self._paths else None
+
     def table(self, columns: Sequence[str] | None = None) -> pa.Table:
         """Metadata columns of every sample (no hidden states) as one Arrow table, in dataset order."""
         cols = list(columns or fmt.BASE_NAMES)
@@ -372,6 +394,24 @@ class ShardDataset:
 
     def __repr__(self) -> str:
         return f"ShardDataset({len(self)} samples, {len(self._paths)} shards, columns={self.columns})"
+
+
+def local_dir(recorded: dict, near: Path | None = None) -> Path | None:
+    """The directory a metadata entry (``model`` or ``tokenizer``) names, where it exists here.
+
+    ``resolved_path`` (the absolute path the run resolved) first, then ``path`` as the user gave it:
+    absolute, or relative to the current directory or to any folder above ``near`` (the shards). None
+    when neither is a directory here (a hub id, another machine's path)."""
+    roots = [Path.cwd()] + (list(near.parents) if near is not None else [])
+    for key in ("resolved_path", "path"):
+        given = recorded.get(key)
+        if not given:
+            continue
+        for root in roots:
+            path = root / Path(given).expanduser()  # an absolute path ignores root
+            if path.is_dir():
+                return path
+    return None
 
 
 def _source_order(entries: list[ShardEntry]) -> np.ndarray | None:

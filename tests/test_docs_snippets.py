@@ -129,7 +129,34 @@ def check_stream(ns: dict, ds) -> None:
     assert ns["feed"].summary.samples == len(ds)
 
 
+def check_token_text(ns: dict, ds) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained("demo_out/models/target")  # the run's tokenizer, loaded by hand
+    assert ns["text"] == tok.decode(ds[0].input_ids)
+    table = ns["table"]
+    assert len(table) == ds.tokens("final").hidden.shape[0]
+    first = table.iloc[1]
+    assert first["next_token"] == tok.decode([int(ds[int(first["sample"])].input_ids[int(first["position"]) + 1])])
+
+
+def check_probe(ns: dict, ds) -> None:
+    from hsx import analysis as A
+
+    assert Path("probe.png").stat().st_size > 1000  # written where the script ran
+    table, labels, probe = ns["table"], ns["labels"], ns["probe"]
+    keep = np.asarray(labels) >= 0
+    groups = table["sample"].to_numpy()[keep]
+    assert list(probe["layer"]) == ["b0", "b2", "b4", "b5", "b8", "final"]
+    for (_, row), sl in zip(probe.iterrows(), A.layer_sources(ds)):
+        x = torch.cat([s.hidden(sl.column) for s in ds]).float()[:, sl.start:sl.stop]  # the rows, from hsx.open
+        mine = A.linear_probe(x[torch.from_numpy(keep)], np.asarray(labels)[keep].astype(np.int64), groups)
+        assert row["accuracy"] == pytest.approx(mine.accuracy) and row["baseline"] == pytest.approx(mine.baseline)
+
+
 CHECKS = {
+    ("ANALYSIS.md", 'ds = hsx.open("demo_out/shards")'): check_token_text,
+    ("ANALYSIS.md", 'matplotlib.use("Agg")'): check_probe,
     ("READING.md", 'ds = hsx.open("demo_out/shards")'): check_open,
     ("READING.md", 'df = pd.read_parquet("demo_out/shards")'): check_pandas_cell,
     ("READING.md", 'loader = hsx.tokens_loader("demo_out/shards", columns=["final"], where="completion",'): check_loader,
@@ -219,3 +246,24 @@ def test_the_check_catches_the_rows_layout_snippet_on_default_shards(folder, mon
     assert tuple(ns["h"].shape) == (2, ds[0].hidden("final").numel() // 2)  # the two byte planes, and no error
     with pytest.raises(AssertionError, match="shape"):
         check_pandas_cell(ns, ds)
+
+
+def test_analysis_page_lists_every_helper_with_its_signature():
+    import inspect
+
+    from hsx import analysis as A
+
+    page = (ROOT / "docs" / "ANALYSIS.md").read_text()
+    listed = dict(re.findall(r"^\| `(\w+)\((.*?)\)` \|", page, re.M))
+    public = {name: f for name, f in vars(A).items() if inspect.isfunction(f) and f.__module__ == A.__name__
+              and not name.startswith("_")}
+    assert set(listed) == set(public), f"ANALYSIS.md lists {sorted(set(listed) - set(public))} that do not exist, " \
+                                       f"misses {sorted(set(public) - set(listed))}"
+    for name, f in public.items():
+        params = [str(p.replace(annotation=inspect.Parameter.empty)) for p in inspect.signature(f).parameters.values()]
+        shown = []
+        for p, param in zip(params, inspect.signature(f).parameters.values()):
+            if param.kind is inspect.Parameter.KEYWORD_ONLY and "*" not in shown:
+                shown.append("*")
+            shown.append(p)
+        assert listed[name] == ", ".join(shown), f"ANALYSIS.md: {name}({listed[name]}), the code has {name}({', '.join(shown)})"

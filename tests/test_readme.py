@@ -71,10 +71,12 @@ def readme_commands() -> list[tuple[str, str]]:
 
 
 def ci_lines() -> set[str]:
-    """.ci/run's command lines, written as the README writes them (its folders and venv taken out)."""
+    """.ci/run's command lines, written as the README writes them (its folders and venv taken out, and a
+    ``| tee LOG`` that keeps their output)."""
     lines = set()
     for line in CI.read_text().splitlines():
         line = line.replace('"$scratch/', '"').replace('"$HSX_VENV/bin/', '"')
+        line = re.sub(r'\s*\|\s*tee\s+"[^"]*"\s*$', "", line)
         if (words := shlex.split(line, comments=True)):
             lines.add(" ".join(words))
     return lines
@@ -194,8 +196,28 @@ def test_the_tour_runs_as_written(tour, monkeypatch):
     assert len(gen) == 12 and gen.metadata["mode"] == "generate" and gen[0].accept_lens is not None
     assert [g["name"] for g in gen.metadata["layers"]] == ["final", "eagle3", "b0"]
     assert pre.metadata["mode"] == "prefill" and pre.metadata["keep"] == "loss"
-    executed = nbformat.read(tour / "out" / "run1-analysis.ipynb", as_version=4)
+    executed = nbformat.read(tour / "run1-analysis.ipynb", as_version=4)
     outputs = [o for c in executed.cells if c.cell_type == "code" for o in c.outputs]
     assert outputs and not [o for o in outputs if o.output_type == "error"]
     assert "ShardDataset(12 samples" in "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert json.loads((tour / "out" / "run1" / ".hsx-config.json").read_text())["draft_model"] == "my_draft"
+
+
+def test_the_demo_check_accepts_other_times_and_refuses_other_figures(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import check_readme_demo as check
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    quoted = check.quoted_demo(README.read_text())
+    out = "/scratch/ci/demo_out"
+    log = [line.replace("demo_out", out) for line in quoted]
+    timed = next(k for k, line in enumerate(log) if check.TIMING.search(line))
+    log[timed] = check.TIMING.sub("99.9 s", log[timed])  # another machine's times
+    (tmp_path / "ok.log").write_text("\n".join(["(a line the README trims)", *log]) + "\n")
+    assert check.main(str(tmp_path / "ok.log"), out) == 0
+    sized = next(k for k, line in enumerate(log) if " MB" in line)
+    log[sized] = re.sub(r"[\d.]+ MB", "9.9 MB", log[sized])  # a figure gone stale
+    (tmp_path / "stale.log").write_text("\n".join(log) + "\n")
+    assert check.main(str(tmp_path / "stale.log"), out) == 1
+    assert "did not print" in capsys.readouterr().out

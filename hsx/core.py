@@ -57,6 +57,7 @@ class RunSummary:
     tokens: int = 0
     completion_tokens: int = 0
     rows: int = 0
+    no_rows: int = 0  # samples stored with no rows: --keep kept none of their positions (a chat with no assistant turn)
     verify_steps: int = 0
     accepted: int = 0
     bytes: int = 0
@@ -72,6 +73,7 @@ class RunSummary:
         self.tokens += record.input_ids.numel()
         self.completion_tokens += completion
         self.rows += record.num_rows  # stored rows (--keep may store fewer than the engine produced)
+        self.no_rows += record.num_rows == 0
         if record.accept_lens is not None:
             self.verify_steps += record.accept_lens.numel()
             self.accepted += int(record.accept_lens.sum())

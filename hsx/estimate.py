@@ -14,8 +14,10 @@ import numpy as np
 
 from hsx.config import ExtractConfig
 from hsx.errors import HsxError, SampleError
+from hsx.report import size_text
 from hsx.shards import positions
 from hsx.shards.format import row_bytes as stored_row_bytes
+from hsx.shards.writer import DEFAULT_LANES, ROW_GROUP_BYTES
 
 # Compressed / raw bytes of the hidden columns, per codec, measured on SmolLM2-135M-Instruct states
 # (final,eagle3 in bf16, the demo chats in prefill; scripts/bench_format.py, docs/STORAGE.md).
@@ -44,8 +46,8 @@ class Estimate:
             f"samples  {self.samples:,} ({self.skipped:,} would be error records)",
             f"tokens   {bound}{self.tokens:,}; rows per column {bound}{self.rows:,}",
             "columns  " + ", ".join(f"{n} ({w} wide)" for n, w in self.columns.items()),
-            f"hidden   {bound}{self.raw_bytes / 1e9:,.3f} GB raw",
-            f"on disk  {bound}{self.bytes / 1e9:,.3f} GB with --compression {self.codec} "
+            f"hidden   {bound}{size_text(self.raw_bytes)} raw",
+            f"on disk  {bound}{size_text(self.bytes)} with --compression {self.codec} "
             f"(x{CODEC_RATIO[self.codec]:.2f} of raw, measured on {RATIO_SOURCE}; real ratios vary with the model and data)",
             f"shards   {bound}{self.shards:,}",
         ]
@@ -58,8 +60,9 @@ def estimate(cfg: ExtractConfig) -> Estimate:
     from hsx.align import ModelShape, parse_layers
     from hsx.data.load import load_rows
     from hsx.data.render import Renderer
+    from hsx.data.stored import adopt_source
 
-    cfg.validate()
+    cfg = adopt_source(cfg).validate()  # over an hsx output's tokens: its mode, keep and max_new_tokens
     if cfg.compression not in CODEC_RATIO:
         raise HsxError(f"no measured ratio for codec {cfg.compression!r}; known: {sorted(CODEC_RATIO)}")
     try:
@@ -94,6 +97,8 @@ def estimate(cfg: ExtractConfig) -> Estimate:
     row_bytes = sum(stored_row_bytes(g.width, cfg.dtype) for g in groups)
     raw = int(rows.sum()) * row_bytes
     on_disk = int(raw * CODEC_RATIO[cfg.compression] + BASE_BYTES_PER_TOKEN * int(n_tok_a.sum()))
-    shards = max(math.ceil(on_disk / (cfg.max_shard_mb << 20)), math.ceil(len(n_tok) / cfg.max_shard_samples)) if n_tok else 0
+    # the writer cuts shards by the records' (raw) bytes; with several lanes each shard is one row group
+    per_shard = min(cfg.max_shard_mb << 20, ROW_GROUP_BYTES) if DEFAULT_LANES > 1 else cfg.max_shard_mb << 20
+    shards = max(math.ceil(raw / per_shard), math.ceil(len(n_tok) / cfg.max_shard_samples)) if n_tok else 0
     return Estimate(len(n_tok), skipped, int(n_tok_a.sum()), int(rows.sum()), raw, on_disk, shards,
                     {g.name: g.width for g in groups}, cfg.compression, cfg.mode == "generate")

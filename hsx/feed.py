@@ -33,6 +33,7 @@ import torch
 from hsx.config import ExtractConfig
 from hsx.core import Failure, Progress, Resumed, RunSummary, make_renderer, open_rows, results, run_metadata
 from hsx.errors import HsxError
+from hsx.report import libraries_quiet
 from hsx.shards.writer import Record
 
 DEFAULT_AHEAD = 64  # items the engine may run ahead of the consumer
@@ -85,17 +86,18 @@ class Feed(torch.utils.data.IterableDataset):
     """
 
     def __init__(self, config: ExtractConfig | dict | str | Path, *, ahead: int = DEFAULT_AHEAD, ordered: bool = True,
-                 progress: bool = False):
+                 progress: bool = False, verbose: bool = False):
         self.cfg = as_config(config).validate(output=False)
         if ahead < 1:
             raise HsxError(f"ahead must be >= 1, got {ahead}")
         self.ahead, self.ordered, self.progress = ahead, ordered, progress
-        if self.cfg.ray:
-            from hsx.scale import ray_source
+        with libraries_quiet(verbose):  # the engine loads here: no loading bars unless asked, as in the CLI
+            if self.cfg.ray:
+                from hsx.scale import ray_source
 
-            self.source = ray_source(self.cfg, ahead_units=-(-ahead // self.cfg.rows_per_unit))
-        else:
-            self.source = _Local(self.cfg, ordered)
+                self.source = ray_source(self.cfg, ahead_units=-(-ahead // self.cfg.rows_per_unit))
+            else:
+                self.source = _Local(self.cfg, ordered)
         self.engine = getattr(self.source, "engine", None)  # None when the engines are Ray workers
         self.rows, self.metadata = self.source.rows, self.source.metadata
         self.summary = RunSummary("")

@@ -7,22 +7,32 @@ from pathlib import Path
 
 from hsx.config import ExtractConfig
 from hsx.core import Progress, RunSummary, make_renderer, open_rows, results, run_metadata, write_results
+from hsx.data.stored import adopt_source
 from hsx.errors import ShardError
 from hsx.output import check_resume, differences, open_manifest, prepare_output
 from hsx.preflight import check_extract
+from hsx.report import libraries_quiet
 from hsx.shards.background import BackgroundSink
 from hsx.shards.lock import OutputLock
 
 __all__ = ["RunSummary", "check_resume", "differences", "extract", "make_renderer"]
 
 
-def extract(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool = True, checked: bool = False) -> RunSummary:
+def extract(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool = True, checked: bool = False,
+            verbose: bool = False) -> RunSummary:
     """Run an extraction described by ``cfg``; resumes an interrupted run into the same output.
 
     The output directory is locked for the whole run (:class:`~hsx.shards.lock.OutputLock`).
     With ``cfg.ray`` the work is spread over Ray workers (:mod:`hsx.scale`). ``checked``: the caller
-    has run :func:`hsx.preflight.check_extract` on ``cfg`` already.
+    has run :func:`hsx.preflight.check_extract` on ``cfg`` already. The libraries' own loading bars
+    and info lines are hidden during the run, as the CLI hides them, unless ``verbose``.
     """
+    with libraries_quiet(verbose):
+        return _extract(cfg, overwrite, progress, checked)
+
+
+def _extract(cfg: ExtractConfig, overwrite: bool, progress: bool, checked: bool) -> RunSummary:
+    cfg = adopt_source(cfg)  # over an hsx output's tokens: its mode, keep and sampling
     if not checked:  # the CLI runs the checks itself, before torch is imported
         check_extract(cfg, overwrite)
     if cfg.ray:
@@ -51,15 +61,15 @@ def _extract_here(cfg: ExtractConfig, out: Path, overwrite: bool, progress: bool
     bar = Progress(len(rows), summary, progress)
     try:
         write_results(results(engine, enumerate(rows), renderer, cfg, manifest.done_ids()), sink, summary, bar.update)
-    except BaseException:  # Ctrl-C, or an error: everything finished so far becomes durable
+        sink.close(complete=True)
+    except BaseException:  # Ctrl-C, SIGTERM or an error: everything finished so far becomes durable
         try:
-            sink.close(complete=False)
+            sink.close(complete=False)  # after a stop inside the close above: waits for that close to end
         except ShardError:
             pass  # the writer's own failure, raised already or behind the error being raised
         finally:
             bar.close()
         raise
-    sink.close(complete=True)
     bar.close()
     summary.writer_blocked_s, summary.writer_busy_s = sink.stats.blocked_s, sink.stats.busy_s
     summary.seconds = time.perf_counter() - t0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import difflib
+import errno
 import functools
 import json
 import os
@@ -30,8 +31,10 @@ from urllib.parse import urlparse
 
 from hsx.config import ExtractConfig
 from hsx.data.files import FILE_BUILDERS, check_has_rows
+from hsx.data.stored import adopt_source
 from hsx.errors import HsxError
 from hsx.output import config_refusal
+from hsx.shards.lock import unwritable
 from hsx.shards.manifest import load_manifest, manifest_path
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
@@ -43,8 +46,9 @@ PROBE_TIMEOUT_S = 2.0
 
 def check_extract(cfg: ExtractConfig, overwrite: bool = False) -> None:
     """Refuse, before any weight loads, what the config, the models' ``config.json``, the dataset's
-    columns and the output directory already show to be wrong."""
-    cfg.validate()
+    columns and the output directory already show to be wrong; over an hsx output's tokens, the
+    options that do not apply or differ from that output's (:func:`hsx.data.stored.adopt_source`)."""
+    cfg = adopt_source(cfg).validate()
     target = model_config(cfg.model, "--model", tokenizer=True)
     draft = model_config(cfg.draft_model, "--draft-model", tokenizer=False) if cfg.draft_model else None
     if target is not None:
@@ -263,10 +267,25 @@ def _saved_columns(path: Path, source: str, split: str) -> list[str] | None:
 # --------------------------------------------------------------------------- the output
 
 def check_output(cfg: ExtractConfig, overwrite: bool) -> None:
-    """An output holding another run's shards is refused here as the run itself would refuse it."""
+    """An output this process cannot write into, or holding another run's shards, is refused here as
+    the run itself would refuse it."""
     out = Path(cfg.output)
+    check_writable(out)
     if overwrite or not manifest_path(out).is_file():
         return
     m = load_manifest(out)
     if m.shards and m.config_hash != cfg.fingerprint():
         raise config_refusal(out, m, cfg)
+
+
+def check_writable(out: Path) -> None:
+    """``out``, or the nearest existing directory above it, where the run would create it, is a
+    directory this process may write into (not a file, not on a read-only mount, permitted)."""
+    base = out
+    while not base.exists() and base.parent != base:
+        base = base.parent
+    if not base.is_dir():
+        raise unwritable(out, f"{'it' if base == out else base} is a file, not a directory")
+    if not os.access(base, os.W_OK | os.X_OK):
+        reason = os.strerror(errno.EROFS if os.statvfs(base).f_flag & os.ST_RDONLY else errno.EACCES)
+        raise unwritable(out, reason if base == out else f"{reason} in {base}, where it would be created")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 # The libraries' own bars and info lines (weights loading, dataset conversion, Ray's start-up),
@@ -17,6 +18,37 @@ LIBRARY_QUIET = {
     "RAY_LOGGER_LEVEL": "error",
     "RAY_DEDUP_LOGS": "1",
 }
+
+
+@contextmanager
+def libraries_quiet(verbose: bool = False):
+    """:func:`quiet_libraries` for the length of a ``with`` block, then the environment and the
+    libraries' switches as they were: the Python API's runs print what the CLI's do (its own bar),
+    and a notebook's other cells keep their bars."""
+    if verbose:
+        yield
+        return
+    import datasets
+    from transformers.utils import logging as hf_logging
+
+    env = {k: os.environ.get(k) for k in LIBRARY_QUIET}
+    saved = (hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity(),
+             not datasets.are_progress_bars_disabled(), datasets.logging.get_verbosity())
+    quiet_libraries()
+    try:
+        yield
+    finally:
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        if saved[0]:
+            hf_logging.enable_progress_bar()
+        hf_logging.set_verbosity(saved[1])
+        if saved[2]:
+            datasets.enable_progress_bars()
+        datasets.logging.set_verbosity(saved[3])
 
 
 def quiet_libraries(verbose: bool = False) -> None:
@@ -39,8 +71,14 @@ def quiet_libraries(verbose: bool = False) -> None:
         datasets.logging.set_verbosity_error()
 
 
-def _mb(n: float) -> str:
-    return f"{n / 1e6:,.1f} MB"
+def size_text(n: float) -> str:
+    """Bytes in the unit that keeps 2-3 significant digits: ``940 B``, ``288 KB``, ``3.1 MB``, ``1.24 GB``
+    (decimal units, as disks and ``ls -h --si`` count)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:,.{2 if value < 10 and unit in ('GB', 'TB') else 1 if value < 100 else 0}f} {unit}"
+    return f"{n:,.0f} B"
 
 
 ERRORS_SHOWN = 10  # error records format_inspect lists unless asked for all
@@ -54,7 +92,7 @@ def format_inspect(s: dict, all_errors: bool = False) -> str:
         + ("" if s["complete"] in (None, True) else "  [incomplete run: resume to finish]"),
         f"  tokens        {s['tokens']:,} ({s['prompt_tokens']:,} prompt + {s['completion_tokens']:,} completion)",
         f"  rows/column   {s['rows_per_column']:,}   mode {s['mode']}" + _keep_note(s),
-        f"  size          {_mb(s['bytes'])}, {s['bytes_per_token']:,.0f} bytes/token",
+        f"  size          {size_text(s['bytes'])}, {s['bytes_per_token']:,.0f} bytes/token",
         f"  dtype         {s['dtype']}",
         "  layers",
     ]
@@ -84,7 +122,7 @@ def _keep_note(s: dict) -> str:
         return ""
     saved = s["bytes_saved"]
     return (f"   keep {s['keep']} ({s['rows_per_column']:,} of {s['rows_covered']:,} rows; "
-            f"{_mb(saved)} of hidden states not stored)")
+            f"{size_text(saved)} of hidden states not stored)")
 
 
 def _error_lines(records: list[dict], all_errors: bool) -> list[str]:
@@ -112,13 +150,17 @@ def format_verify(r) -> str:
         lines.append(f"  ignored  {name} (not in the manifest: a leftover of an interrupted write; readers skip it)")
     if r.errors:
         lines.append(f"  note   {r.errors} sample(s) recorded as input errors (see the manifest's 'errors')")
+    if r.complete is False:
+        lines.append(f"  note   the run is incomplete (in progress, or stopped): {r.samples:,} samples committed; "
+                     "re-run the same hsx extract command to resume")
     bad = sum(1 for s in r.shards if s.faults) + (1 if r.faults else 0)
     lines.append("verify: OK" if r.ok else f"verify: FAILED ({bad} shard(s) or manifest with faults)")
     return "\n".join(lines)
 
 
-def format_interrupted(output: str) -> str:
-    """What a Ctrl-C left behind: the samples the output's manifest commits, and how to go on."""
+def format_interrupted(output: str, by: str | None = None) -> str:
+    """What a Ctrl-C (or the signal ``by`` names) left behind: the samples the output's manifest
+    commits, and how to go on."""
     from hsx.errors import ShardError
     from hsx.shards.manifest import load_manifest, manifest_path
 
@@ -126,10 +168,11 @@ def format_interrupted(output: str) -> str:
         m = load_manifest(output) if manifest_path(Path(output)).is_file() else None
     except ShardError:
         m = None
+    stopped = f"interrupted by {by}" if by else "interrupted"
     if m is None:
-        return f"interrupted: nothing committed to {output} yet; re-run the same command to start"
+        return f"{stopped}: nothing committed to {output} yet; re-run the same command to start"
     errors = f" and {len(m.errors):,} error record(s)" if m.errors else ""
-    return (f"interrupted: {m.num_samples:,} samples{errors} committed to {output}; "
+    return (f"{stopped}: {m.num_samples:,} samples{errors} committed to {output}; "
             "re-run the same command to resume")
 
 
@@ -138,7 +181,7 @@ def format_run(s) -> str:
     lines = [
         f"wrote {s.samples:,} samples ({s.tokens:,} tokens, {s.completion_tokens:,} generated, {s.rows:,} rows per column) "
         f"to {s.output} in {s.seconds:.1f} s, start-up included ({rate:,.0f} tokens/s)",
-        f"  shards on disk: {s.bytes / 1e6:,.1f} MB in total",
+        f"  shards on disk: {size_text(s.bytes)} in total",
     ]
     if not s.workers:  # under --ray each worker has its own writer
         lines.append(f"  shard writer: the engine waited {s.writer_blocked_s:.2f} s on it (its threads busy {s.writer_busy_s:.1f} s)")
@@ -149,6 +192,9 @@ def format_run(s) -> str:
         lines.append(f"  resumed: {s.resumed:,} samples were already done and were skipped")
     if s.errors:
         lines.append(f"  input errors: {s.errors:,} samples recorded in the manifest's 'errors' (see hsx inspect)")
+    if s.no_rows:
+        lines.append(f"  no rows: {s.no_rows:,} samples stored with no hidden rows: --keep kept none of their positions "
+                     "(under --keep loss, a chat with no assistant turn; see docs/OPTIONS.md)")
     if s.mean_accept_len is not None:
         lines.append(f"  speculative: mean accept length {s.mean_accept_len:.2f} over {s.verify_steps:,} verify steps")
     return "\n".join(lines)

@@ -261,3 +261,17 @@ def test_recompute_diagnoses_misplaced_kept_rows(model, kept_outputs, tmp_path, 
     assert all(f["first"] in positions_of and f["last"] in positions_of for f in findings)  # positions, not row numbers
     for key, n in changed.items():  # float32 rows: every moved row of every column source is caught
         assert flagged.get(key, 0) == n, (key, flagged, changed)
+
+
+def test_a_chat_with_nothing_to_learn_is_stored_without_rows_and_counted(model, tmp_path):
+    data = tmp_path / "data.jsonl"
+    rows = [ROWS[0], {"id": "ask", "messages": [{"role": "user", "content": "Is anyone there?"}]}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["extract", "--model", model["dir"], "--dataset", str(data), "--output", str(tmp_path / "out"),
+            "--id-field", "id", "--layers", "final", "--mode", "prefill", "--keep", "loss"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "no rows: 1 samples stored with no hidden rows" in result.output
+    ds = hsx.open(tmp_path / "out")
+    assert ds["ask"].hidden("final").shape[0] == 0 and ds["ask"].loss_mask.sum() == 0
+    assert ds["chat"].hidden("final").shape[0] == int(ds["chat"].loss_mask.sum())

@@ -46,9 +46,20 @@ def test_extract_from_python_quietly(tmp_path, capfd):
     capfd.readouterr()
     cfg = hsx.config.ExtractConfig(model=str(tmp_path / "m"), dataset=str(tmp_path / "d.jsonl"),
                                    output=str(tmp_path / "out"), max_new_tokens=3)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_progress_bar()  # a notebook's state: the libraries' bars on
     summary = hsx.pipeline.extract(cfg, progress=False)  # the expression the front page gives
     assert summary.samples == 1 and len(hsx.open(tmp_path / "out")) == 1
-    assert "sample/s" not in capfd.readouterr().err  # no progress bar
+    err = capfd.readouterr().err
+    assert "sample/s" not in err  # no progress bar
+    assert "Loading weights" not in err and "Generating train split" not in err  # nor the libraries' bars
+    assert hf_logging.is_progress_bar_enabled()  # and their switches are as they were
+    feed = hsx.stream(dict(cfg.to_dict(), output=""))
+    assert len(list(feed.records())) == 1
+    assert "Loading weights" not in capfd.readouterr().err
+    loud = hsx.stream(dict(cfg.to_dict(), output=""), verbose=True)
+    assert len(list(loud.records())) == 1 and "Loading weights" in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("key,how", [("quiet", "progress=False"), ("overwrite", "overwrite=True")])

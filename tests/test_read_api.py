@@ -81,3 +81,15 @@ def test_docstrings_say_what_a_row_is():
     assert "row j is position j" not in text and "positions[j]" in text
     doc = Sample.hidden.__doc__
     assert doc and all(word in doc for word in ("read-only", "bfloat16", "--keep", "positions[j]", "[rows, W]"))
+
+
+def test_a_stored_sample_and_a_stream_record_spell_their_columns_alike(tmp_path):
+    meta = make_metadata([8, 4])
+    records = finite_records(meta, [5, 3], seed=11)
+    write_sink(tmp_path, meta, records)
+    for s, r in zip(hsx.open(tmp_path), records):
+        assert list(s.hidden) == list(r.hidden) == ["l0", "l1"] and len(s.hidden) == 2
+        for name in r.hidden:
+            assert torch.equal(bits(s.hidden(name)), bits(s.hidden[name]))
+            assert torch.equal(bits(r.hidden(name)), bits(r.hidden[name]))
+            assert torch.equal(bits(s.hidden[name]), bits(r.hidden(name)))

@@ -3,11 +3,13 @@
 ``source`` is tried in this order:
 
 1. an existing file: ``.json``/``.jsonl`` (json builder), ``.parquet``, ``.csv``; it has one split, ``train``;
-2. an existing directory written by ``save_to_disk`` (it holds ``dataset_dict.json`` or ``state.json``);
-3. any other existing directory: ``load_dataset(dir)``, which infers the format and the splits from the
+2. an hsx output directory (it holds an hsx manifest): its stored samples and error records, one
+   row per source row (:mod:`hsx.data.stored`);
+3. an existing directory written by ``save_to_disk`` (it holds ``dataset_dict.json`` or ``state.json``);
+4. any other existing directory: ``load_dataset(dir)``, which infers the format and the splits from the
    file names (``train.jsonl``, ``test-00000.parquet``, ...);
-4. a builder name with ``data_files`` (``load_rows("json", data_files=[...])``);
-5. otherwise a hub name. Something that looks like a path but does not exist fails here instead of
+5. a builder name with ``data_files`` (``load_rows("json", data_files=[...])``);
+6. otherwise a hub name. Something that looks like a path but does not exist fails here instead of
    being sent to the hub.
 
 A source (or split) with no rows is an error naming it: an empty file, a csv with only its header.
@@ -27,6 +29,7 @@ import pyarrow as pa
 import xxhash
 
 from hsx.data.files import FILE_BUILDERS, check_has_rows, check_json, check_utf8
+from hsx.data.stored import describe_stored, is_hsx_output, load_stored_rows
 from hsx.errors import HsxError
 
 def load_rows(source: str, split: str = "train", limit: int | None = None, data_files=None) -> datasets.Dataset:
@@ -37,9 +40,9 @@ def load_rows(source: str, split: str = "train", limit: int | None = None, data_
     """
     if limit is not None and limit < 0:
         raise HsxError(f"limit must be >= 0, got {limit}")
-    splits = _open(source, data_files)
+    splits = load_stored_rows(source) if is_hsx_output(source) else _open(source, data_files)
     if isinstance(splits, datasets.Dataset):
-        # save_to_disk of a single Dataset: one table, whatever the split is called
+        # save_to_disk of a single Dataset, or an hsx output: one table, whatever the split is called
         ds = splits
     elif split in splits:
         ds = splits[split]
@@ -127,5 +130,7 @@ def _table_hash(table: pa.Table) -> str:
 
 
 def describe(ds: datasets.Dataset, source: str, split: str) -> dict:
-    """What shard metadata records about the input rows."""
+    """What shard metadata records about the input rows (an hsx output: also where its tokens came from)."""
+    if is_hsx_output(source):
+        return describe_stored(source, split, len(ds))
     return {"source": source, "split": split, "num_rows": len(ds), "fingerprint": dataset_fingerprint(ds)}

@@ -5,7 +5,9 @@ Row shapes
     ``conversations``  ShareGPT style, a list of ``{from, value}`` with from human / gpt / system
                        (``user`` and ``assistant`` are accepted too);
     text               one string column: ``text_field``, else the first of text / prompt / content /
-                       question that the dataset has.
+                       question that the dataset has;
+    stored             the rows of an hsx output (:mod:`hsx.data.stored`), tokens already: a
+                       :class:`StoredPrompt` in the source's mode, see :func:`stored_prompt`.
 
 A dataset may hold several shapes (a jsonl whose rows use different keys loads as the union of
 the columns, with nulls where a row lacks a key), so the shape is chosen per row: the first
@@ -44,6 +46,7 @@ from typing import Any, Iterable, Literal, Mapping
 
 from jinja2.exceptions import TemplateError
 
+from hsx.data import stored
 from hsx.errors import HsxError, SampleError
 
 TEXT_FIELDS = ("text", "prompt", "content", "question")
@@ -63,10 +66,48 @@ class Prompt:
     loss_mask: list[int]  # same length as input_ids, 1 on tokens to learn from
 
 
+@dataclass
+class StoredPrompt(Prompt):
+    """A sample of an hsx output: ``input_ids`` and ``loss_mask`` as rendering gives them in the source's
+    mode (generate: the prompt, prefill: the whole sequence), and what the source stored of the rest."""
+
+    tokens: list[int]  # the whole stored sequence: prompt + completion
+    prompt_len: int
+    finish_reason: str
+    accept_lens: list[int] | None
+    verify_steps: int | None
+
+
+def stored_prompt(row: Mapping[str, Any], index: int, mode: Mode) -> StoredPrompt:
+    """The prompt of a row of an hsx output (``mode`` is the source's); an error record of the source
+    becomes a SampleError with its reason. A row unlike what hsx writes (a loss mask of another
+    length; in generate mode, completion tokens not all learned) stops the run: the new output
+    would not have the source's fields."""
+    sample_id = row["sample_id"]  # and ``index`` is its source index: the loader puts source row k at row k
+    if row[stored.SOURCE_ERROR] is not None:
+        reason = row[stored.SOURCE_ERROR]
+        raise SampleError(sample_id, f"an error record of the hsx output read as the dataset: {reason}")
+    tokens, mask, prompt_len = row["input_ids"], row["loss_mask"], row["prompt_len"]
+    where = f"sample {sample_id!r} of the hsx output"
+    if len(mask) != len(tokens) or not 0 < prompt_len <= len(tokens):
+        raise HsxError(f"{where}: {len(tokens)} tokens, {len(mask)} loss-mask values, prompt_len {prompt_len}")
+    head = len(tokens)
+    if mode == "generate":
+        if prompt_len == len(tokens) or min(mask[prompt_len:]) != 1:
+            raise HsxError(f"{where}: in generate mode its {len(tokens) - prompt_len} completion tokens should all "
+                           "have loss_mask 1, as hsx writes them")
+        head = prompt_len
+    return StoredPrompt(sample_id, index, list(tokens[:head]), list(mask[:head]), tokens=list(tokens),
+                        prompt_len=prompt_len, finish_reason=row["finish_reason"], accept_lens=row["accept_lens"],
+                        verify_steps=row["verify_steps"])
+
+
 def row_shapes(column_names: Iterable[str], text_field: str | None = None, id_field: str | None = None) -> list[tuple[str, str]]:
     """``(shape, column)`` pairs a dataset with these columns can be rendered from, in order of
     preference; fails naming the columns if a named field is missing or none can be rendered."""
     columns = list(column_names)
+    if set(stored.COLUMNS) | {stored.SOURCE_ERROR} <= set(columns):
+        return [("stored", "input_ids")]
     for role, name in (("--text-field", text_field), ("--id-field", id_field)):
         if name is not None and name not in columns:
             raise HsxError(f"{role} {name!r} is not a column of the dataset; its columns are {columns}")
@@ -109,7 +150,7 @@ class Renderer:
     def detect(self, column_names: Iterable[str]) -> str:
         """The dataset's preferred row shape; fails if it has no column this renderer can use."""
         candidates = row_shapes(column_names, self.text_field, self.id_field)
-        chats = [c for c in candidates if c[0] != "text"]
+        chats = [c for c in candidates if c[0] in CHAT_SHAPES]
         if chats:
             self._template_marks_assistant = bool(GENERATION_TAG.search(self._check_template()))
         self._candidates = candidates
@@ -117,9 +158,11 @@ class Renderer:
 
     def render(self, row: Mapping[str, Any], index: int) -> Prompt:
         """The row's token ids and loss mask; SampleError if the row cannot be rendered."""
-        sample_id = self._sample_id(row, index)
         if self._candidates is None:
             self.detect(row.keys())
+        if self._candidates[0][0] == "stored":
+            return stored_prompt(row, index, self.mode)
+        sample_id = self._sample_id(row, index)
         found = next(((s, c) for s, c in self._candidates if row.get(c) is not None), None)
         if found is None:
             columns = [c for _, c in self._candidates]

@@ -130,6 +130,18 @@ class HFRunner:
 
 
 def build_engine(cfg: ExtractConfig):
+    """The engine of ``cfg``; over an hsx output's tokens, its prefill checked against that output
+    (:mod:`hsx.engine.stored`)."""
+    from hsx.data.stored import is_hsx_output
+
+    if is_hsx_output(cfg.dataset):
+        from hsx.engine.stored import StoredTokensRunner
+
+        return StoredTokensRunner(cfg, _engine_of)
+    return _engine_of(cfg)
+
+
+def _engine_of(cfg: ExtractConfig):
     if cfg.engine == "hf":
         return HFRunner(cfg)
     if cfg.engine == "sglang":

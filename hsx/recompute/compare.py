@@ -92,6 +92,16 @@ def typical_norm(own: torch.Tensor, ref_valid: torch.Tensor) -> torch.Tensor:
     return norms.nanmedian(dim=1).values.nan_to_num(nan=0.0)[:, None]
 
 
+def within_limits(rel: torch.Tensor, cos: torch.Tensor, own: torch.Tensor, floor: torch.Tensor,
+                  tol: Tolerance) -> torch.Tensor:
+    """``[...]`` bool: the own error of each row within ``tol``, for rows checked against ``own [..., H]``
+    with ``floor`` their :func:`typical_norm`. A row smaller than the median may have the same
+    absolute error, hence a wider angle: its cosine limit widens by the same factor."""
+    widen = (floor / own.norm(dim=-1).clamp_min(_TINY)).clamp_min(1.0)
+    cos_limit = torch.minimum(1.0 / torch.sqrt(1.0 + (tol.rel * widen) ** 2), torch.tensor(tol.cos, device=own.device))
+    return (rel <= tol.rel) & (cos >= cos_limit)
+
+
 def _nearest_elsewhere(stored: torch.Tensor, own: torch.Tensor, ref_valid: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
     """For each row of ``stored [B, T, H]`` the flat index (sample * T + position) ``[B, T]`` of the
     closest state of ``own`` at any other valid (sample, position), by relative error."""
@@ -157,10 +167,7 @@ def check_segment(
         best_sample, best_pos = torch.where(better, rows, best_sample), torch.where(better, pos, best_pos)
         best_src = torch.where(better, torch.full_like(best_src, a), best_src)
 
-    # a row smaller than the median may have the same absolute error, hence a wider angle
-    widen = (floor / own.norm(dim=-1).clamp_min(_TINY)).clamp_min(1.0)  # [B, T]
-    cos_limit = torch.minimum(1.0 / torch.sqrt(1.0 + (tol.rel * widen) ** 2), torch.tensor(tol.cos, device=dev))
-    within = (rel <= tol.rel) & (cos >= cos_limit)
+    within = within_limits(rel, cos, own, floor, tol)
     misplaced = best_rel < tol.margin * rel
     bad = valid & ~(finite & within & ~misplaced)
     kind = torch.zeros((batch, width), dtype=torch.long, device=dev)

@@ -7,7 +7,8 @@ the output directory and returns their entries; the driver checks the files are 
 the entries to the manifest and saves it: that save is the commit. A unit whose worker dies
 (process killed, node lost) goes back to the front of the queue for the next idle worker while
 Ray restarts the dead one; a unit is committed at most once, so a late or repeated attempt only
-leaves uncommitted files (ignored by readers, listed by ``hsx verify``).
+leaves uncommitted files (ignored by readers, listed by ``hsx verify``). A Ctrl-C or SIGTERM to the
+driver (under the CLI, see :mod:`hsx.stopping`) stops the workers; what is committed stays.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from hsx.output import open_manifest, prepare_output
 from hsx.scale.worker import ExtractWorker
 from hsx.shards.lock import OutputLock
 from hsx.shards.manifest import ErrorRecord, Manifest, ShardEntry, publish, save_manifest, shard_path
+from hsx.stopping import keep_sigterm_handler
 
 MAX_RESTARTS = 3  # per worker, done by Ray
 MAX_ATTEMPTS = 3  # per unit: a unit that kills this many workers stops the run
@@ -71,7 +73,8 @@ def connect(cfg: ExtractConfig) -> bool:
     if ray.is_initialized():
         return False
     try:
-        ray.init(address=cfg.ray_address, log_to_driver=False, include_dashboard=False)
+        with keep_sigterm_handler():  # the CLI's (SIGTERM stops the run as Ctrl-C does) wins over Ray's
+            ray.init(address=cfg.ray_address, log_to_driver=False, include_dashboard=False)
     except (ConnectionError, ValueError, RuntimeError) as e:
         raise HsxError(f"cannot start or join Ray (address {cfg.ray_address or 'default'}): {e}") from None
     return True

@@ -47,6 +47,11 @@ def _read(fd: int) -> dict | None:
     return holder if isinstance(holder, dict) else None
 
 
+def unwritable(directory: str | Path, reason: str) -> HsxError:
+    """The refusal of an output directory this process cannot write into (read-only mount, permissions)."""
+    return HsxError(f"cannot write to {directory}: {reason} (the output directory must be writable)")
+
+
 class OutputLock:
     """``with OutputLock(directory):`` -- refuses with :class:`HsxError` if another process holds it."""
 
@@ -59,9 +64,15 @@ class OutputLock:
 
     def acquire(self) -> "OutputLock":
         self._created_dir = not self.dir.exists()
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise unwritable(self.dir, e.strerror) from None
         for _ in range(100):
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise unwritable(self.dir, e.strerror) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:

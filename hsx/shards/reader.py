@@ -173,8 +173,12 @@ class Sample:
                                          self.loss_mask.numpy())
         return torch.from_numpy(pos)
 
-    def hidden(self, name: str) -> torch.Tensor:
-        """Column ``name`` of this sample: ``[rows, W]`` in the shards' dtype (``metadata["dtype"]``:
+    @property
+    def hidden(self) -> "SampleColumns":
+        """This sample's hidden columns, by call or by key: ``s.hidden("final")`` or ``s.hidden["final"]``
+        (as an ``hsx.stream`` record spells it).
+
+        Each is ``[rows, W]`` in the shards' dtype (``metadata["dtype"]``:
         bfloat16, float16 or float32), W the column's width (a column of several sources, such as
         ``eagle3``, holds them side by side in the order its ``metadata["layers"]`` entry lists).
 
@@ -183,10 +187,33 @@ class Sample:
         token ``positions[j] + 1``): without ``--keep``, position j, ``N - 1`` rows in generate mode and
         ``N`` in prefill mode for N tokens; under ``--keep`` only the positions its rule keeps, in order.
         """
-        return self._shard.hidden(name, self._row)
+        return SampleColumns(self)
 
     def __repr__(self) -> str:
         return f"Sample({self.sample_id!r}, tokens={len(self.input_ids)}, rows={self.num_rows})"
+
+
+class SampleColumns:
+    """The hidden columns of one :class:`Sample`, read when asked for, by call or by key."""
+
+    def __init__(self, sample: Sample):
+        self._sample = sample
+
+    def keys(self) -> list[str]:
+        return [g["name"] for g in self._sample._shard.metadata["layers"]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys())
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self(name)
+
+    def __call__(self, name: str) -> torch.Tensor:
+        """Column ``name`` of the sample (see :attr:`Sample.hidden`)."""
+        return self._sample._shard.hidden(name, self._sample._row)
 
 
 @dataclass

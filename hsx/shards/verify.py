@@ -36,6 +36,8 @@ class VerifyReport:
     faults: list[str] = field(default_factory=list)  # not tied to one shard
     ignored: list[str] = field(default_factory=list)  # files the manifest does not name
     errors: int = 0  # samples recorded as errors (bad input), not faults
+    complete: bool | None = None  # the manifest's: False while a run is in progress or after it stopped; None for one file
+    samples: int = 0  # samples the manifest commits
 
     @property
     def ok(self) -> bool:
@@ -149,7 +151,7 @@ def verify(path: str | Path) -> VerifyReport:
     except ShardError as e:
         report.faults.append(str(e))
         return report
-    report.errors = len(m.errors)
+    report.errors, report.complete, report.samples = len(m.errors), m.complete, m.num_samples
     named = {s.file for s in m.shards} | {MANIFEST, CONFIG, LEGACY_MANIFEST, LEGACY_CONFIG, LOCK}
     report.ignored = sorted(p.name for p in path.iterdir() if p.is_file() and p.name not in named)
     seen: set[str] = set()

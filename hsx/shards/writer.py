@@ -32,11 +32,19 @@ from hsx.shards.manifest import (ErrorRecord, Manifest, ShardEntry, file_checksu
                                  staged_name)
 
 DEFAULT_LANES = min(4, os.cpu_count() or 1)  # BackgroundSink's lanes: the pipeline's parallel shard writers
+ROW_GROUP_BYTES = 64 << 20  # records' bytes per row group (with several lanes, per shard)
+
+
+class Columns(dict):
+    """A sample's hidden columns by name: ``cols["final"]`` or, as a shard's samples spell it, ``cols("final")``."""
+
+    def __call__(self, name: str) -> torch.Tensor:
+        return self[name]
 
 
 @dataclass
 class Record:
-    """One sample as it goes into a shard."""
+    """One sample as it goes into a shard (or comes out of ``hsx.stream``)."""
 
     sample_id: str
     source_index: int
@@ -50,6 +58,9 @@ class Record:
     # Set when ``hidden`` is still being copied from the device: an event whose ``synchronize()``
     # returns once the copies are done (see :class:`hsx.align.AlignedSample`).
     ready: object | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.hidden = Columns(self.hidden)
 
     def wait(self) -> None:
         """Block until ``hidden`` holds its values; every reader of the tensors calls this first."""
@@ -261,7 +272,7 @@ class ShardSink:
         *,
         max_shard_bytes: int = 512 << 20,
         max_shard_samples: int = 100_000,
-        row_group_bytes: int = 64 << 20,
+        row_group_bytes: int = ROW_GROUP_BYTES,
         lanes: int = 1,
         names: Callable[[int], str] | None = None,
         persist: bool = True,

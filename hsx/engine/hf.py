@@ -5,7 +5,7 @@ explicit 2-D ``position_ids`` and a float 4-D mask ``[B, 1, q, past + q]`` that 
 slots each new token may see (its row's real tokens, plus its ancestors inside a draft tree);
 sliding-window layers get their own mask, limited to keys within the window of the query's
 position (``hsx.engine.families``).
-After each forward the cache is compacted in one place (``_KV.commit``) so it holds exactly the
+After each forward the cache is compacted in one place (``KV.commit``) so it holds exactly the
 tokens each row has accepted.
 
 A speculative step drafts a tree (``topk == 1`` is a chain) with the draft model, verifies it with
@@ -15,26 +15,33 @@ node from a seeded generator, so every emitted token is a plain target sample). 
 is moved to the front of each request's stride before the rows reach the ``Collector``, as
 SGLang's EAGLE worker does. Plain decoding is the same step with a one-node tree (stride 1).
 
-Boundary ``b < L`` is ``hidden_states[b]``; boundary ``L`` (pre-norm output of the last block)
-and ``final`` (lm_head's input) are the input and output of the final norm, found in the module
-tree and checked on one short forward before the engine is used (``families.check_layout``).
+Only the boundaries a run stores (its layer groups, and an EAGLE3 head's aux states) are kept
+from a forward, by hooks on the blocks and the final norm (:mod:`hsx.engine.capture`); lm_head
+runs only where logits are read: the rows' last prompt positions, the verify positions.
+
+A prompt is prefilled in one forward, or ``prefill_chunk`` tokens at a time through the cache
+(each chunk sees the committed slots of the chunks before it), so that the activations of a
+forward are bounded by a chunk: the rows of each chunk are appended to its requests' rows.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections import deque
 from dataclasses import dataclass
-from functools import partial
 from typing import Iterable, Iterator, Sequence
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from hsx.align import FINAL, AlignedSample, Collector, LayerGroup, ModelShape, parse_layers, teacher_forced
-from hsx.engine.families import FULL, AttentionPlan, Layout, check_layout, find_layout, load_causal_lm
+from hsx.engine.capture import MIN_TRANSFORMERS, Capture, Driven, forward
+from hsx.engine.families import FULL, AttentionPlan, load_causal_lm
 from hsx.engine.heads import Eagle3Head, head_kind, load_eagle3_head
+from hsx.engine.kv import KV
+from hsx.engine.kv import SlotLayer as _SlotLayer  # noqa: F401  (the cache layer, reached by tests under this name)
 from hsx.errors import HsxError
+
+__all__ = ["MIN_TRANSFORMERS", "HFEngine", "SamplingSettings", "SpecSettings", "StreamStats", "head_aux_boundaries",
+           "load_draft", "load_hf_engine"]
 
 
 @dataclass(frozen=True)
@@ -83,279 +90,6 @@ class StreamStats:
     waiting_steps: int = 0  # steps taken while requests were waiting
     waiting_full: int = 0  # ... of those, steps with every row busy (continuous batching: all of them)
     widest_admission: int = 0  # padded prompt tokens of the largest admission of more than one request
-
-
-# The oldest transformers this engine is tested with: it passes the cache as ``cache=``, which
-# older releases ignore silently (5.19 runs every forward without a cache).
-MIN_TRANSFORMERS = "5.24"
-
-
-def _check_transformers() -> None:
-    import transformers
-    from packaging.version import Version
-
-    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
-        raise HsxError(f"the transformers engine needs transformers >= {MIN_TRANSFORMERS}, found "
-                       f"{transformers.__version__} (the SGLang engine does not have this limit)")
-
-
-@dataclass(frozen=True)
-class _Driven:
-    """A model with what the engine learned about it before its first forward."""
-
-    model: torch.nn.Module
-    plan: AttentionPlan
-    layout: Layout
-    slices_logits: bool = False  # forward takes logits_to_keep: lm_head runs only where logits are read
-
-    @staticmethod
-    def of(model, what: str) -> "_Driven":
-        _check_transformers()
-        model = model.eval()  # the layout check compares tensors of one forward: no dropout
-        plan = AttentionPlan.from_model(model, what)
-        layout = find_layout(model, what)
-        check_layout(model, layout, what)
-        return _Driven(model, plan, layout, "logits_to_keep" in inspect.signature(model.forward).parameters)
-
-    def logits_at(self, positions: torch.Tensor | int) -> dict:
-        """Forward keywords computing logits only at ``positions`` (a 1-D tensor of sequence indices,
-        the same for every row; or an int: that many last positions), where the model can."""
-        return {"logits_to_keep": positions} if self.slices_logits else {}
-
-
-class _NormTap:
-    """Captures the final norm's input (boundary L, which ``output_hidden_states`` does not return)
-    and its output (``final``, lm_head's input)."""
-
-    def __init__(self, driven: _Driven):
-        self.norm = driven.layout.norm(driven.model)
-        self.pre: torch.Tensor | None = None
-        self.post: torch.Tensor | None = None
-
-    def __enter__(self):
-        self.handle = self.norm.register_forward_hook(self._hook)
-        return self
-
-    def _hook(self, module, args, output):
-        self.pre, self.post = args[0], output
-
-    def __exit__(self, *exc):
-        self.handle.remove()
-
-
-def _forward(driven: _Driven, input_ids, q_pos, k_pos, visible, cache, hidden: bool, **extra):
-    """One forward of ``input_ids [B, q]`` at positions ``q_pos [B, q]`` that sees the key slots
-    (at positions ``k_pos [B, K]``, the new ones last) where ``visible [B, q, K]``."""
-    batch, q = input_ids.shape
-    visible = visible.clone()
-    diag = torch.arange(q, device=visible.device)
-    # every query sees itself: a fully masked row turns into NaN under eager attention
-    visible[:, diag, visible.shape[2] - q + diag] = True
-    model = driven.model
-    return model(
-        input_ids=input_ids,
-        position_ids=q_pos,
-        attention_mask=driven.plan.masks(visible, q_pos, k_pos, model.dtype),
-        cache=cache,
-        use_cache=cache is not None,
-        output_hidden_states=hidden,
-        **extra,
-    )
-
-
-class _SlotLayer(DynamicLayer):
-    """One layer's keys and values in storage ``[B, heads, capacity, head_dim]`` allocated ahead:
-    appending writes into it instead of copying the whole cache (``DynamicLayer`` concatenates), and
-    ``keys``/``values`` are views of the used width. Grows by doubling when the capacity runs out."""
-
-    def __init__(self, capacity: int = 0):
-        super().__init__()
-        self.capacity_hint = capacity
-        self.width = 0
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-        self.k_buf = key_states.new_zeros(*key_states.shape[:2], 0, key_states.shape[3])
-        self.v_buf = value_states.new_zeros(*value_states.shape[:2], 0, value_states.shape[3])
-        self.is_initialized = True
-        self.reserve(max(self.capacity_hint, key_states.shape[2]))
-
-    def reserve(self, need: int) -> None:
-        """Room for ``need`` slots per row, keeping the used ones."""
-        cap = self.k_buf.shape[2]
-        if need <= cap:
-            return
-        cap = max(need, 2 * cap)
-        for name in ("k_buf", "v_buf"):
-            old = getattr(self, name)
-            new = old.new_zeros(*old.shape[:2], cap, old.shape[3])  # never garbage: a masked NaN still poisons a softmax
-            new[:, :, : self.width] = old[:, :, : self.width]
-            setattr(self, name, new)
-        self._views()
-
-    def _views(self) -> None:
-        self.keys, self.values = self.k_buf[:, :, : self.width], self.v_buf[:, :, : self.width]
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        end = self.width + key_states.shape[2]
-        self.reserve(end)
-        self.k_buf[:, :, self.width : end] = key_states
-        self.v_buf[:, :, self.width : end] = value_states
-        self.width = end
-        self._views()
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        return self.width
-
-    def set_width(self, width: int) -> None:
-        self.width = width
-        self._views()
-
-    def move(self, start: int, order: torch.Tensor, dest: torch.Tensor) -> None:
-        """Slots ``start + order [B, m]`` of each row go to slots ``dest [B, m]`` (read all, then write)."""
-        rows = torch.arange(order.shape[0], device=order.device)[:, None].expand_as(order)
-        for buf in (self.k_buf, self.v_buf):
-            buf[rows, :, dest] = buf[rows, :, start + order]  # [B, m, heads, dim]
-
-    def select(self, rows: torch.Tensor) -> None:
-        self.k_buf, self.v_buf = self.k_buf[rows], self.v_buf[rows]
-        self._views()
-
-    def put(self, rows: torch.Tensor, other: "_SlotLayer", src: torch.Tensor) -> None:
-        """Rows ``rows`` take ``other``'s rows ``src``, from slot 0 (only their used slots are copied)."""
-        w = other.width
-        self.reserve(w)
-        self.k_buf[rows, :, :w] = other.k_buf[src, :, :w]
-        self.v_buf[rows, :, :w] = other.v_buf[src, :, :w]
-
-    def extend(self, other: "_SlotLayer", src: torch.Tensor) -> None:
-        """Append ``other``'s rows ``src`` to the batch."""
-        self.reserve(other.width)
-        for name in ("k_buf", "v_buf"):
-            mine, theirs = getattr(self, name), getattr(other, name)[src, :, : other.width]
-            setattr(self, name, torch.cat([mine, torch.nn.functional.pad(theirs, (0, 0, 0, mine.shape[2] - theirs.shape[2]))]))
-        self._views()
-
-
-class _SlotCache(DynamicCache):
-    """A ``DynamicCache`` of :class:`_SlotLayer` (full-length layers everywhere: see :class:`_KV`)."""
-
-    def __init__(self, capacity: int = 0):
-        Cache.__init__(self, layer_class_to_replicate=partial(_SlotLayer, capacity))
-
-
-class _KV:
-    """A batched cache plus, per row, how many committed slots hold that row's tokens, and every slot's position.
-
-    Rows stay compacted: row i's tokens are slots ``[0, lens[i])``; slots from there to the committed
-    width are stale. Slot order does not matter to attention (positions are baked into the keys,
-    visibility is the mask), so a row's tokens may sit in any order inside that prefix. Every layer
-    keeps every slot, sliding ones included (transformers' sliding cache layers drop old slots by
-    count, which is wrong for rows of different lengths); the window is applied by the mask, from
-    the slots' positions. Storage is allocated ahead (``capacity`` slots per row) so a step writes
-    only its new slots.
-    """
-
-    def __init__(self, driven: _Driven, batch: int, device, capacity: int = 0):
-        self.driven = driven
-        self.cache = _SlotCache(capacity)
-        self.lens = torch.zeros(batch, dtype=torch.long, device=device)  # [B] committed tokens per row
-        self.width = 0  # committed slots (max of lens)
-        self._pos = torch.zeros(batch, max(capacity, 1), dtype=torch.long, device=device)  # every slot's position
-        self.filled = 0  # slots written: the committed width plus those not committed yet
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        return self.lens  # [B] tokens seen == position of the next token
-
-    @property
-    def pos(self) -> torch.Tensor:
-        return self._pos[:, : self.filled]
-
-    def run(self, input_ids, positions, block, hidden: bool = False, **extra):
-        """Forward ``input_ids [B, q]`` at ``positions [B, q]``; ``block [B, q, uncommitted + q]`` is
-        visibility among new slots."""
-        batch, q = input_ids.shape
-        seen = torch.arange(self.width, device=self.lens.device)[None, :] < self.lens[:, None]  # [B, S]
-        seen = seen[:, None, :].expand(batch, q, -1)
-        end = self.filled + q
-        self._reserve_pos(end)
-        self._pos[:, self.filled : end] = positions
-        self.filled = end
-        return _forward(self.driven, input_ids, positions, self.pos, torch.cat([seen, block], 2), self.cache, hidden,
-                        **extra)
-
-    def commit(self, keep: torch.Tensor) -> None:
-        """Keep the slots appended since the last commit where ``keep [B, n]``; drop the rest.
-
-        The only place a row's tokens move: its kept new slots go right after its committed ones
-        (the rest are left behind as stale slots). Work is proportional to the new slots only.
-        """
-        start, n = self.width, keep.shape[1]
-        if self.cache.get_seq_length() != start + n or self.filled != start + n:
-            raise RuntimeError(f"cache holds {self.cache.get_seq_length()} slots ({self.filled} positions), "
-                               f"commit describes {start} + {n}")
-        kept = keep.sum(1)
-        order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices  # [B, n] kept slots first
-        dest = self.lens[:, None] + torch.arange(n, device=keep.device)  # [B, n]
-        if n and bool(kept.any()) and not bool((dest == start + order).all()):
-            for layer in self.cache.layers:
-                layer.move(start, order, dest)
-            self._pos.scatter_(1, dest, self._pos[:, start : start + n].gather(1, order))
-        self.lens = self.lens + kept
-        self.width = int(self.lens.max()) if self.lens.numel() else 0
-        self.filled = self.width
-        for layer in self.cache.layers:
-            layer.set_width(self.width)
-
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only batch rows ``rows`` (finished requests leave the batch)."""
-        self._check_committed("select")
-        for layer in self.cache.layers:
-            layer.select(rows)
-        self.lens, self._pos = self.lens[rows], self._pos[rows]
-        self.commit(self._none())
-
-    def put(self, rows: torch.Tensor, other: "_KV", src: torch.Tensor) -> None:
-        """Rows ``rows`` of this batch take the requests in rows ``src`` of ``other`` (a freed row is
-        overwritten in place: only the new request's slots are copied)."""
-        self._check_committed("put")
-        other._check_committed("put")
-        for layer, theirs in zip(self.cache.layers, other.cache.layers):
-            layer.put(rows, theirs, src)
-        self._reserve_pos(other.width)
-        self._pos[rows, : other.width] = other._pos[src, : other.width]
-        self.lens = self.lens.clone()
-        self.lens[rows] = other.lens[src]
-        self.commit(self._none())
-
-    def extend(self, other: "_KV", src: torch.Tensor) -> None:
-        """Append the requests in rows ``src`` of ``other`` to this batch."""
-        self._check_committed("extend")
-        other._check_committed("extend")
-        for layer, theirs in zip(self.cache.layers, other.cache.layers):
-            layer.extend(theirs, src)
-        self._reserve_pos(other.width)
-        theirs = other._pos[src, : other.width]
-        self._pos = torch.cat([self._pos, torch.nn.functional.pad(theirs, (0, self._pos.shape[1] - theirs.shape[1]))])
-        self.lens = torch.cat([self.lens, other.lens[src]])
-        self.commit(self._none())
-
-    def _reserve_pos(self, need: int) -> None:
-        if need > self._pos.shape[1]:
-            grown = self._pos.new_zeros(self._pos.shape[0], max(need, 2 * self._pos.shape[1]))
-            grown[:, : self.filled] = self._pos[:, : self.filled]
-            self._pos = grown
-
-    def _none(self) -> torch.Tensor:
-        return torch.zeros(self.lens.shape[0], 0, dtype=torch.bool, device=self.lens.device)  # a commit of no slots
-
-    def _check_committed(self, what: str) -> None:
-        if self.filled != self.width:
-            raise RuntimeError(f"{what} with {self.filled - self.width} uncommitted slots")
 
 
 @dataclass
@@ -410,8 +144,8 @@ class _State:
     """The requests still running, slot i of every tensor is ``rids[i]``."""
 
     rids: list
-    target: _KV
-    draft: _KV | None
+    target: KV
+    draft: KV | None
     # last step's emitted tokens (first pending_len per row): the draft has seen none of them, the
     # target all but the last one, which is the root of the next step
     pending: torch.Tensor  # [B, a]
@@ -522,12 +256,40 @@ def _pad(prompts: Sequence[torch.Tensor], side: str, device) -> tuple[torch.Tens
     return ids.to(device), valid.to(device)
 
 
-def _prompt_block(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Positions ``[B, P]`` (counted over real tokens only) and causal visibility ``[B, P, P]`` for a padded prompt."""
-    positions = (valid.long().cumsum(1) - 1).clamp(min=0)
-    width = valid.shape[1]
+def _prompt_positions(valid: torch.Tensor) -> torch.Tensor:
+    """Positions ``[B, P]`` of a padded prompt, counted over real tokens only."""
+    return (valid.long().cumsum(1) - 1).clamp(min=0)
+
+
+def _prompt_block(valid: torch.Tensor, part: slice) -> torch.Tensor:
+    """Causal visibility ``[B, q, q]`` among the prompt slots ``part`` (q of them), padding hidden; the slots
+    before ``part`` are the cache's committed ones, all earlier and all visible."""
+    width = part.stop - part.start
     causal = torch.ones(width, width, dtype=torch.bool, device=valid.device).tril()
-    return positions, causal[None] & valid[:, None, :]
+    return causal[None] & valid[:, None, part]
+
+
+def _chunks(width: int, size: int | None) -> list[slice]:
+    """The prompt slots ``0..width-1`` in consecutive parts of ``size`` (None: one part)."""
+    size = width if size is None else size
+    return [slice(start, min(start + size, width)) for start in range(0, width, size)]
+
+
+class _PromptRows:
+    """Each request's prompt rows, appended part by part with its padding left out, in the stored dtype."""
+
+    def __init__(self, batch: int, dtype: torch.dtype):
+        self.dtype = dtype
+        self.parts: list[dict[str, list[torch.Tensor]]] = [{} for _ in range(batch)]
+
+    def add(self, cols: dict[str, torch.Tensor], valid: torch.Tensor) -> None:
+        """``cols``: name -> ``[B, q, W]`` of one part; ``valid [B, q]``: its real tokens."""
+        for name, c in cols.items():
+            for i, parts in enumerate(self.parts):
+                parts.setdefault(name, []).append(c[i][valid[i]].to(self.dtype))  # a copy: the part's tensor can go
+
+    def of(self, i: int) -> dict[str, torch.Tensor]:
+        return {name: p[0] if len(p) == 1 else torch.cat(p) for name, p in self.parts[i].items()}
 
 
 class HFEngine:
@@ -542,10 +304,16 @@ class HFEngine:
         spec: SpecSettings | None = None,
         store_dtype: torch.dtype = torch.bfloat16,
         padding_side: str = "right",
+        prefill_chunk: int | None = None,
     ):
         if padding_side not in ("left", "right"):
             raise HsxError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
-        self.target = _Driven.of(model, "target model")
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                          or prefill_chunk < 1):
+            raise HsxError(f"prefill_chunk must be a number of tokens >= 1 (or None: each prompt in one forward), "
+                           f"got {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk
+        self.target = Driven.of(model, "target model")
         self.model = self.target.model
         self.groups = list(groups)
         self.shape = ModelShape.from_config(model.config)
@@ -558,10 +326,10 @@ class HFEngine:
         self.aux_sources: tuple[int, ...] = ()
         if self.head:
             # a one-layer head with its own attention: full attention over the slots the engine shows it
-            self.draft = _Driven(draft_model.eval(), AttentionPlan({FULL: None}, False), None)
+            self.draft = Driven(draft_model.eval(), AttentionPlan({FULL: None}, False), None)
             self.aux_sources = head_aux_boundaries(draft_model, model)
         else:
-            self.draft = None if draft_model is None else _Driven.of(draft_model, "draft model")
+            self.draft = None if draft_model is None else Driven.of(draft_model, "draft model")
         self.draft_model = None if draft_model is None else self.draft.model
         self.spec = None if draft_model is None else (spec or SpecSettings())
         if self.head:
@@ -576,24 +344,35 @@ class HFEngine:
             bad = [s for s in g.sources if s != FINAL and not 0 <= s <= self.shape.num_layers]
             if bad:
                 raise HsxError(f"layer group {g.name!r}: boundaries {bad} outside 0..{self.shape.num_layers}")
+        # what a target forward keeps: the groups' boundaries and the head's aux states
+        self.sources = tuple(dict.fromkeys([s for g in self.groups for s in g.sources] + list(self.aux_sources)))
 
     # ---- public entry points -------------------------------------------------------------
 
     def prefill(self, requests: Sequence[tuple[object, torch.Tensor]]) -> list[AlignedSample]:
-        """Teacher-forced rows for every position of each sequence, one batched forward."""
+        """Teacher-forced rows for every position of each sequence: one batched forward, or one per
+        ``prefill_chunk`` prompt slots through the cache. No logits are computed."""
         rids, prompts = self._check_requests(requests)
         if not rids:
             return []
         ids, valid = _pad(prompts, self.padding_side, self.device)  # [B, P]
-        positions, block = _prompt_block(valid)
-        with torch.inference_mode(), _NormTap(self.target) as tap:
-            out = _forward(self.target, ids, positions, positions, block, None, hidden=True,
-                           **self.target.logits_at(1))  # rows only: the logits are not read
-            cols = self._columns(out.hidden_states, tap)  # name -> [B, P, W]
-            return [
-                teacher_forced(prompts[i], {name: c[i][valid[i]] for name, c in cols.items()}, self.groups, self.store_dtype)
-                for i in range(len(rids))
-            ]
+        positions = _prompt_positions(valid)
+        parts = _chunks(ids.shape[1], self.prefill_chunk)
+        rows = _PromptRows(len(rids), self.store_dtype)
+        no_logits = self.target.no_logits(self.device)
+        with torch.inference_mode(), self._capture() as cap:
+            # one forward needs no cache; a part sees the parts before it through the cache's committed slots
+            kv = None if len(parts) == 1 else KV(self.target, len(rids), self.device, ids.shape[1])
+            for part in parts:
+                block = _prompt_block(valid, part)
+                if kv is None:
+                    forward(self.target, ids, positions, positions, block, None, **no_logits)
+                else:
+                    kv.run(ids[:, part], positions[:, part], block, **no_logits)
+                    kv.commit(valid[:, part])
+                rows.add(self._columns(cap), valid[:, part])  # name -> [B, q, W]
+                cap.clear()
+            return [teacher_forced(prompts[i], rows.of(i), self.groups, self.store_dtype) for i in range(len(rids))]
 
     def generate(self, requests: Sequence[tuple[object, torch.Tensor]], sampling: SamplingSettings) -> list[AlignedSample]:
         """Decode every request in one batch; samples come back in request order."""
@@ -653,40 +432,60 @@ class HFEngine:
     # ---- steps ---------------------------------------------------------------------------
 
     def _start(self, rids, prompts, collector, sampling, generator, capacity: int = 0) -> _State:
-        """Prefill both models over the padded prompts; the target picks each request's first token.
-        ``capacity`` is the cache slots per row to allocate ahead."""
-        ids, valid = _pad(prompts, self.padding_side, self.device)  # [B, P]
-        positions, block = _prompt_block(valid)
-        target = _KV(self.target, len(rids), self.device, capacity)
-        last = (valid.long() * torch.arange(valid.shape[1], device=self.device)).argmax(1)  # [B] last real slot
-        # logits only at the rows' last positions (a few distinct ones), not [B, P, V]
-        wanted, which = torch.unique(last, return_inverse=True) if self.target.slices_logits else (None, last)
-        with _NormTap(self.target) as tap:
-            out = target.run(ids, positions, block, hidden=True, **self.target.logits_at(wanted))
-        target.commit(valid)
-        last_logits = out.logits[torch.arange(len(rids), device=self.device), which]  # [B, V]
+        """Prefill both models over the padded prompts, in one forward or one per ``prefill_chunk`` slots;
+        the target picks each request's first token. ``capacity`` is the cache slots per row to allocate ahead."""
+        batch, dev = len(rids), self.device
+        ids, valid = _pad(prompts, self.padding_side, dev)  # [B, P]
+        positions = _prompt_positions(valid)
+        last = (valid.long() * torch.arange(valid.shape[1], device=dev)).argmax(1).cpu()  # [B] last real slot
+        target = KV(self.target, batch, dev, capacity)
+        draft = None if self.draft is None else KV(self.draft, batch, dev, capacity)
+        # the head's slot t pairs token t+1 with the target's aux state after token t (SGLang's draft extend);
+        # the last prompt position waits for the first token, as the pending step
+        nxt_valid = valid & torch.cat([valid[:, 1:], valid[:, :1] & False], 1)
+        nxt_ids = torch.cat([ids[:, 1:], ids[:, :1]], 1)
+        rows = _PromptRows(batch, self.store_dtype)
+        last_logits = pending_aux = None  # [B, V], head: [B, 1, K * H]
+        with self._capture() as cap:
+            for part in _chunks(ids.shape[1], self.prefill_chunk):
+                block = _prompt_block(valid, part)
+                ending = ((last >= part.start) & (last < part.stop)).nonzero()[:, 0]  # rows whose prompt ends here
+                offset = last[ending] - part.start  # [e] their last slot within the part
+                # logits only at those rows' last positions (a few distinct ones), not [B, q, V]
+                if not ending.numel():
+                    keep, which = self.target.no_logits(dev), None
+                elif self.target.slices_logits:
+                    wanted, which = torch.unique(offset, return_inverse=True)
+                    keep = self.target.logits_at(wanted.to(dev))
+                else:
+                    keep, which = {}, offset
+                out = target.run(ids[:, part], positions[:, part], block, **keep)
+                target.commit(valid[:, part])
+                ending, offset = ending.to(dev), offset.to(dev)
+                if ending.numel():
+                    chosen = out.logits[ending, which.to(dev)]  # [e, V]
+                    last_logits = chosen.new_empty(batch, chosen.shape[-1]) if last_logits is None else last_logits
+                    last_logits[ending] = chosen
+                del out
+                rows.add(self._columns(cap), valid[:, part])
+                if self.head:
+                    aux = cap.take(self.aux_sources)  # [B, q, K * H]
+                    draft.run(nxt_ids[:, part], positions[:, part], block & nxt_valid[:, None, part], draft_hidden=aux)
+                    draft.commit(nxt_valid[:, part])
+                    if ending.numel():
+                        pending_aux = aux.new_zeros(batch, 1, aux.shape[2]) if pending_aux is None else pending_aux
+                        pending_aux[ending, 0] = aux[ending, offset]
+                    del aux
+                elif draft is not None:  # its prompt logits are not read: the catch-up gives the root's
+                    draft.run(ids[:, part], positions[:, part], block, **self.draft.no_logits(dev))
+                    draft.commit(valid[:, part])
+                cap.clear()
         first = _choose(last_logits, sampling, generator)  # [B]
-        cols = self._columns(out.hidden_states, tap)
         first_list = first.tolist()
         for i, rid in enumerate(rids):
-            collector.prefill(rid, prompts[i], {name: c[i][valid[i]] for name, c in cols.items()}, first_list[i])
-        draft, pending_aux = None, None
-        if self.head:
-            # the head's slot t pairs token t+1 with the target's aux state after token t (SGLang's draft extend);
-            # the last prompt position waits for the first token, as the pending step
-            aux = self._cat(self.aux_sources, out.hidden_states, tap)  # [B, P, K * H]
-            nxt_valid = valid & torch.cat([valid[:, 1:], valid[:, :1] & False], 1)
-            nxt_ids = torch.cat([ids[:, 1:], ids[:, :1]], 1)
-            draft = _KV(self.draft, len(rids), self.device, capacity)
-            draft.run(nxt_ids, positions, block & nxt_valid[:, None, :], draft_hidden=aux)
-            draft.commit(nxt_valid)
-            pending_aux = aux[torch.arange(len(rids), device=self.device), last][:, None]  # [B, 1, K * H]
-        elif self.draft_model is not None:
-            draft = _KV(self.draft, len(rids), self.device, capacity)
-            draft.run(ids, positions, block, **self.draft.logits_at(1))  # the catch-up gives the root's logits
-            draft.commit(valid)
-        ones = torch.ones(len(rids), dtype=torch.long, device=self.device)
-        return _State(list(rids), target, draft, first[:, None], ones, torch.zeros(len(rids), dtype=torch.long),
+            collector.prefill(rid, prompts[i], rows.of(i), first_list[i])
+        ones = torch.ones(batch, dtype=torch.long, device=dev)
+        return _State(list(rids), target, draft, first[:, None], ones, torch.zeros(batch, dtype=torch.long),
                       pending_aux)
 
     def _draft_tree(self, state: _State) -> _Tree:
@@ -745,8 +544,8 @@ class HFEngine:
         batch, n = tree.tokens.shape
         target = state.target
         positions = target.lengths[:, None] + tree.depth  # [B, n]
-        with _NormTap(self.target) as tap:
-            out = target.run(tree.tokens, positions, tree.anc, hidden=True)
+        with self._capture() as cap:
+            out = target.run(tree.tokens, positions, tree.anc)  # logits at every node: each one is read
         target_tok = _choose(out.logits, sampling, generator)  # [B, n] the target's next token after each node
 
         # accept a node when it and every ancestor below the root is the target's choice at its parent;
@@ -761,7 +560,7 @@ class HFEngine:
         key = torch.where(on_path, tree.depth, n + torch.arange(n, device=self.device))
         path = key.argsort(1)  # [B, n]
         emitted = target_tok.gather(1, path)  # [B, n] accepted drafts then the bonus token
-        cols = self._columns(out.hidden_states, tap)  # name -> [B, n, W]
+        cols = self._columns(cap)  # name -> [B, n, W]
         hidden = {
             name: c.gather(1, path[:, :, None].expand(-1, -1, c.shape[2])).reshape(batch * n, -1)
             for name, c in cols.items()
@@ -769,7 +568,7 @@ class HFEngine:
         target.commit(on_path)  # the target keeps exactly the root and the accepted drafts
         aux = None
         if self.head:  # the head's next catch-up reads the aux states along the accepted path
-            aux = self._cat(self.aux_sources, out.hidden_states, tap)
+            aux = cap.take(self.aux_sources)
             aux = aux.gather(1, path[:, :, None].expand(-1, -1, aux.shape[2]))
         return emitted, accept_lens, hidden, aux
 
@@ -799,25 +598,13 @@ class HFEngine:
 
     # ---- helpers -------------------------------------------------------------------------
 
-    def _columns(self, hidden_states, tap: _NormTap) -> dict[str, torch.Tensor]:
+    def _capture(self) -> Capture:
+        """Hooks keeping what a target forward's rows are made of, and nothing else."""
+        return Capture(self.target, self.sources, self.shape.num_layers)
+
+    def _columns(self, cap: Capture) -> dict[str, torch.Tensor]:
         """Each group's ``[B, q, W]``: its sources concatenated along the width in the order given."""
-        num_layers = self.shape.num_layers
-        if hidden_states is None or len(hidden_states) != num_layers + 1:
-            got = None if hidden_states is None else len(hidden_states)
-            raise HsxError(f"model returned {got} hidden-state entries, expected num_layers + 1 = {num_layers + 1}")
-
-        return {g.name: self._cat(g.sources, hidden_states, tap) for g in self.groups}
-
-    def _cat(self, sources, hidden_states, tap: _NormTap) -> torch.Tensor:
-        """Boundaries ``sources`` concatenated along the width, ``[B, q, len(sources) * W]``."""
-        num_layers = self.shape.num_layers
-
-        def source(s):
-            if s == FINAL:
-                return tap.post  # lm_head's input (transformers' last entry, where it ties it to the norm output)
-            return tap.pre if s == num_layers else hidden_states[s]
-
-        return torch.cat([source(s) for s in sources], -1)
+        return {g.name: cap.take(g.sources) for g in self.groups}
 
     def _check_requests(self, requests) -> tuple[list, list[torch.Tensor]]:
         rids = [rid for rid, _ in requests]
@@ -873,9 +660,11 @@ def load_hf_engine(
     store_dtype: torch.dtype = torch.bfloat16,
     padding_side: str = "right",
     trust_remote_code: bool = False,
+    prefill_chunk: int | None = None,
 ) -> HFEngine:
     """Load a target (and optional draft) with ``AutoModelForCausalLM`` and build an :class:`HFEngine`."""
     model = load_causal_lm(model_path, dtype, trust_remote_code, what="target model").to(device).eval()
     groups = parse_layers(layers, ModelShape.from_config(model.config), eagle3_ids) if isinstance(layers, str) else list(layers)
     draft = None if draft_path is None else load_draft(draft_path, model, dtype, trust_remote_code).to(device).eval()
-    return HFEngine(model, groups, draft_model=draft, spec=spec, store_dtype=store_dtype, padding_side=padding_side)
+    return HFEngine(model, groups, draft_model=draft, spec=spec, store_dtype=store_dtype, padding_side=padding_side,
+                    prefill_chunk=prefill_chunk)

@@ -189,6 +189,7 @@ def extract(
     eagle3_layer_ids: Annotated[Optional[str], _opt("EAGLE3 aux layer ids as a draft config gives them, e.g. 1,15,28 (default: the draft config's, else SGLang's [2, L//2, L-3] boundaries).")] = None,
     device: Annotated[str, _cfg("auto, cpu, cuda or cuda:N.")] = _D.device,
     model_dtype: Annotated[str, _cfg("Compute dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16.")] = _D.model_dtype,
+    prefill_chunk: Annotated[Optional[int], _opt("--engine hf: prefill prompts N tokens at a time through the KV cache, so that a forward's activations are bounded by N tokens, not the prompt (default: each prompt in one forward).")] = None,
     compression: Annotated[str, _cfg("Hidden-state codec, all lossless: planes-zstd (byte planes + zstd, ~0.56x raw on SmolLM2 states), zstd, none (zero-copy reads).")] = _D.compression,
     max_shard_mb: Annotated[int, _cfg("Close a shard at about this size.")] = _D.max_shard_mb,
     max_shard_samples: Annotated[int, _cfg("Close a shard after this many samples.")] = _D.max_shard_samples,

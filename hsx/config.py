@@ -53,6 +53,7 @@ class ExtractConfig:
     # decoding
     batch_size: int = 8  # rows per forward: requests decoding together (generate), sequences per forward (prefill)
     max_batch_tokens: int | None = None  # padded prompt tokens per prefill forward (both modes); None: no limit
+    prefill_chunk: int | None = None  # hf engine: prompt tokens per prefill forward, through the KV cache; None: whole prompts
     window: int | None = None  # source rows scheduled together (prefill: sorted by length); default 32 batches
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -80,8 +81,9 @@ class ExtractConfig:
     # Fields that change neither which samples exist nor their values: a resumed run may differ in them.
     # (The batching fields are among them: they change a row's bits, within the engines' tolerance,
     # never which samples exist; a window is re-run whole on resume, see hsx.core.results.)
-    _LAYOUT_ONLY = ("output", "limit", "batch_size", "max_batch_tokens", "window", "max_shard_mb", "max_shard_samples",
-                    "ray", "ray_address", "num_workers", "cpus_per_worker", "gpus_per_worker", "unit_size")
+    _LAYOUT_ONLY = ("output", "limit", "batch_size", "max_batch_tokens", "prefill_chunk", "window", "max_shard_mb",
+                    "max_shard_samples", "ray", "ray_address", "num_workers", "cpus_per_worker", "gpus_per_worker",
+                    "unit_size")
 
     def validate(self, *, output: bool = True) -> "ExtractConfig":
         """Refuse a config no run can start from; ``output=False``: one that writes nothing (the online feed)."""
@@ -103,6 +105,7 @@ class ExtractConfig:
             raise HsxError(f"--max-batch-tokens must be >= 1, got {self.max_batch_tokens}")
         if self.window is not None and self.window < 1:
             raise HsxError(f"--window must be >= 1, got {self.window}")
+        self._validate_prefill_chunk()
         check_rule(self.keep, self.mode)
         if self.engine not in ("hf", "sglang"):
             raise HsxError(f"--engine must be hf or sglang, got {self.engine!r}")
@@ -119,6 +122,17 @@ class ExtractConfig:
         elif self.ray_address is not None or self.num_workers is not None:
             raise HsxError("--ray-address and --num-workers go with --ray")
         return self
+
+    def _validate_prefill_chunk(self) -> None:
+        chunk = self.prefill_chunk
+        if chunk is None:
+            return
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise HsxError(f"--prefill-chunk must be a number of prompt tokens >= 1, got {chunk!r} (leave it out to "
+                           "prefill each prompt in one forward)")
+        if self.engine == "sglang":
+            raise HsxError(f"--prefill-chunk {chunk} applies to the transformers engine (--engine hf); SGLang splits "
+                           "long prompts itself: --engine-arg chunked_prefill_size=N")
 
     def _validate_ray(self) -> None:
         if self.num_workers is not None and self.num_workers < 1:

@@ -76,7 +76,8 @@ class HFRunner:
         self.groups: list[LayerGroup] = parse_layers(cfg.layers, self.shape, ids)
         self.context_length = getattr(model.config, "max_position_embeddings", None)
         self.spec = SpecSettings(*cfg.spec_settings()) if cfg.speculative else None
-        self.engine = HFEngine(model, self.groups, draft_model=draft, spec=self.spec, store_dtype=dtype_of(cfg.dtype))
+        self.engine = HFEngine(model, self.groups, draft_model=draft, spec=self.spec, store_dtype=dtype_of(cfg.dtype),
+                               prefill_chunk=cfg.prefill_chunk)
         stops = set()
         for source in (getattr(model, "generation_config", None), self.tokenizer):
             eos = getattr(source, "eos_token_id", None)

@@ -116,13 +116,13 @@ def write_sink(directory: Path, meta: dict, records: list[Record], errors=(), co
     return sink.close()
 
 
-def rewrite(src: Path, dst: Path, edit) -> Path:
+def rewrite(src: Path, dst: Path, edit, **sink_kwargs) -> Path:
     """Copy the output ``src`` to ``dst`` through the sink, ``edit(index, sample, hidden)`` changing the cloned
     rows in place: checksums and row counts stay valid, so only a recompute can see the change."""
     import hsx
 
     ds = hsx.open(src)
-    sink = ShardSink(dst, Manifest(ds.metadata, config_hash="rewritten"))
+    sink = ShardSink(dst, Manifest(ds.metadata, config_hash="rewritten"), **sink_kwargs)
     for k, s in enumerate(ds):
         hidden = {name: s.hidden(name).clone() for name in ds.columns}
         edit(k, s, hidden)

@@ -1,4 +1,4 @@
-"""Format version 5 against older versions: pandas, pyarrow and datasets read shards and output directories,
+"""Format version 6 against older versions: pandas, pyarrow and datasets read shards and output directories,
 v1 and v3 outputs still read, rows stay read-only."""
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def test_version_1_shards_still_read_bit_exact(tmp_path):
             assert torch.equal(s.positions, torch.arange(r.num_rows))
         tm = ds.tokens("l0")
         assert torch.equal(bits(tm.hidden), bits(torch.cat([r.hidden["l0"] for r in records])))
-    assert FORMAT_VERSION == 5
+    assert FORMAT_VERSION == 6
 
 
 def test_samples_come_back_in_source_order_whatever_order_they_were_written(tmp_path):

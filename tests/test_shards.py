@@ -665,7 +665,7 @@ def test_metadata_columns_are_readable_by_other_tools(tmp_path, monkeypatch):
     import pandas as pd
     # The whole shard, hidden columns included: one array of row bytes per sample.
     df = pd.concat([pd.read_parquet(f) for f in files], ignore_index=True)
-    assert list(df.columns) == BASE_NAMES + ["positions", "l0", "l1"]
+    assert list(df.columns) == BASE_NAMES + ["positions", "first_row", "l0", "l1"]
     assert df["sample_id"].tolist() == ids and df["prompt_len"].tolist() == prompt
     assert [list(x) for x in df["loss_mask"]] == [r.loss_mask.tolist() for r in records]
     for r, cell in zip(records, df["l0"]):

@@ -1,6 +1,11 @@
-"""Shard format v5 (and v1-v4 for reading): the Arrow schema, the metadata blob, the hidden-state cells.
+"""Shard format v6 (and v1-v5 for reading): the Arrow schema, the metadata blob, the hidden-state cells.
 
-One Parquet row per sample. Hidden-state columns are ``list<large_binary>`` in one of two
+One Parquet row per sample, or per piece of a long sample (version 6): a sample whose rows would
+take more than ``PIECE_BYTES`` in a column is cut into pieces of consecutive rows, one Parquet row
+(and one row group) each, in order, every piece carrying the sample's whole token columns, its own
+``positions`` and ``first_row`` (the index of its first row among the sample's; 0 on the first
+piece). A Parquet page holds whole rows and a BYTE_ARRAY page or value at most 2 GiB, so one cell
+must stay well below that; readers join a sample's pieces back (:func:`join_pieces`). Hidden-state columns are ``list<large_binary>`` in one of two
 layouts, named by the metadata's ``codec`` (docs/FORMAT.md gives them byte by byte):
 
 - rows (``none``, ``zstd``; every version before 4): one binary value per stored row, exactly
@@ -25,6 +30,7 @@ from typing import Mapping
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute  # noqa: F401  (pa.compute)
 import torch
 import xxhash
 
@@ -32,8 +38,11 @@ from hsx.errors import HsxError, ShardError
 from hsx.shards import positions, quant
 from hsx.shards.readonly import read_only
 
-FORMAT_VERSION = 5  # 5: lossy dtypes; 4: codec (planes layout), positions column, hidden manifest and staged shards
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+FORMAT_VERSION = 6  # 6: long samples in pieces (first_row); 5: lossy dtypes; 4: codec (planes layout), positions column, hidden manifest and staged shards
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+# A piece's stored bytes in its widest column, at most: Parquet keeps a row in one page, and a page
+# (like a BYTE_ARRAY value) has a 32-bit size.
+PIECE_BYTES = 64 << 20
 # Hidden-state codecs: Parquet page compression of the hidden columns, and their cell layout.
 CODECS = {"planes-zstd": ("zstd", "planes"), "zstd": ("zstd", "rows"), "none": ("none", "rows")}
 DEFAULT_CODEC = "planes-zstd"
@@ -66,6 +75,8 @@ BASE_FIELDS = [
 BASE_NAMES = [f.name for f in BASE_FIELDS]
 # Version 4: the token position of each stored row (what ``keep`` selected), for readers without hsx.
 POSITIONS = pa.field("positions", pa.list_(pa.int32()), nullable=False)
+# Version 6: which of its sample's rows a Parquet row's first hidden row is (0: the sample's first piece).
+FIRST_ROW = pa.field("first_row", pa.int64(), nullable=False)
 
 # Which positions a sample's rows cover, by mode: row j is position j in both.
 COVERS = {"generate": "0..N-2", "prefill": "0..N-1"}
@@ -110,6 +121,8 @@ def schema_for(metadata: Mapping) -> pa.Schema:
     version = metadata.get("format_version", FORMAT_VERSION)
     if version >= 4:
         fields.append(POSITIONS)
+    if version >= 6:
+        fields.append(FIRST_ROW)
     for g in metadata["layers"]:
         fields.append(pa.field(g["name"], hidden_type(g["width"], metadata["dtype"], version), nullable=False))
     blob = json.dumps(metadata, sort_keys=True).encode()
@@ -168,6 +181,8 @@ class Cells:
         self.width, self.dtype, self.planes = width, dtype, planes
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.row_bytes = width * self.itemsize
+        self.stored_row_bytes = self.row_bytes
+        self.per_piece = self.itemsize  # planes: binary values a piece's cell holds
 
     @classmethod
     def of(cls, metadata: Mapping, group: Mapping) -> "Cells":
@@ -209,7 +224,7 @@ class Cells:
         if not len(column):
             return np.zeros(0, np.int64)
         offs, value_offs = column.offsets.to_numpy(), _value_offsets(column.values)
-        return (value_offs[np.minimum(offs[:-1] + 1, offs[-1])] - value_offs[offs[:-1]]) // self.width
+        return np.diff(value_offs[offs]) // self.stored_row_bytes  # a cell's bytes, over all its pieces
 
     def check(self, column: pa.ListArray, where: str, name: str) -> None:
         """Every value of the chunk has the length its layout requires."""
@@ -223,14 +238,15 @@ class Cells:
                                  f"says width {self.width} x {DTYPE_NAMES[self.dtype]} = {self.row_bytes} bytes per row")
             return
         per_sample = np.diff(offs)
-        if (per_sample != self.itemsize).any():
-            j = int(np.flatnonzero(per_sample != self.itemsize)[0])
+        bad = np.flatnonzero((per_sample == 0) | (per_sample % self.itemsize != 0))
+        if len(bad):
+            j = int(bad[0])
             raise ShardError(f"{where}: column {name!r}, sample {j} of a row group: {int(per_sample[j])} byte planes, "
-                             f"{DTYPE_NAMES[self.dtype]} has {self.itemsize}")
-        planes = lengths.reshape(-1, self.itemsize)
+                             f"{DTYPE_NAMES[self.dtype]} has {self.itemsize} (per piece)")
+        planes = lengths.reshape(-1, self.itemsize)  # one row per piece
         bad = np.flatnonzero((planes != planes[:, :1]).any(axis=1) | (planes[:, 0] % self.width != 0))
         if len(bad):
-            raise ShardError(f"{where}: column {name!r}, sample {int(bad[0])} of a row group: byte planes of "
+            raise ShardError(f"{where}: column {name!r}, piece {int(bad[0])} of a row group: byte planes of "
                              f"{planes[bad[0]].tolist()} bytes; each must hold rows x {self.width} bytes")
 
     def sample(self, column: pa.ListArray, index: int) -> torch.Tensor:
@@ -247,19 +263,18 @@ class Cells:
         if not self.planes:
             return block_view(column.values, start, stop, self.width, self.dtype)
         value_offs = _value_offsets(column.values)
-        data = column.values.buffers()[2]
-        rows = self.rows(column)
-        if not rows.sum():
+        total = int(value_offs[stop] - value_offs[start])
+        if not total:
             return read_only(torch.empty((0, self.width), dtype=self.dtype))
-        out = np.empty(int(rows.sum()) * self.width, _UINT[self.itemsize])
+        data = column.values.buffers()[2]
+        out = np.empty(total // self.itemsize, _UINT[self.itemsize])
         at = 0
-        for j, n in enumerate(rows):
-            if not n:
-                continue
-            first = int(value_offs[offs[j]])
-            planes = np.frombuffer(data, np.uint8, count=self.itemsize * n * self.width, offset=first)
-            _join(planes.reshape(self.itemsize, -1), out[at:at + n * self.width])
-            at += n * self.width
+        for v in range(start, stop, self.itemsize):  # one piece a step: its planes are one run of bytes
+            n = int(value_offs[v + 1] - value_offs[v])  # values in the piece
+            if n:
+                planes = np.frombuffer(data, np.uint8, count=self.itemsize * n, offset=int(value_offs[v]))
+                _join(planes.reshape(self.itemsize, n), out[at:at + n])
+                at += n
         return read_only(torch.from_numpy(out.view(np.uint8)).view(self.dtype).view(-1, self.width))
 
 
@@ -309,15 +324,16 @@ class QuantCells(Cells):
                                  f"{self.width} x {self.kind} = {self.stored_row_bytes} bytes per row (scales included)")
             return
         per_sample = np.diff(offs)
-        if (per_sample != 3).any():
-            j = int(np.flatnonzero(per_sample != 3)[0])
+        bad = np.flatnonzero((per_sample == 0) | (per_sample % 3 != 0))
+        if len(bad):
+            j = int(bad[0])
             raise ShardError(f"{where}: column {name!r}, sample {j} of a row group: {int(per_sample[j])} values; "
-                             f"a {self.kind} cell holds 3 (codes, scale bytes 0 and 1)")
-        v = lengths.reshape(-1, 3)
+                             f"a {self.kind} cell holds 3 a piece (codes, scale bytes 0 and 1)")
+        v = lengths.reshape(-1, 3)  # one row per piece
         rows = v[:, 0] // self.width
         bad = np.flatnonzero((v[:, 0] % self.width != 0) | (v[:, 1] != rows * self.groups) | (v[:, 2] != v[:, 1]))
         if len(bad):
-            raise ShardError(f"{where}: column {name!r}, sample {int(bad[0])} of a row group: values of "
+            raise ShardError(f"{where}: column {name!r}, piece {int(bad[0])} of a row group: values of "
                              f"{v[bad[0]].tolist()} bytes; expected rows x {self.width} codes and 2 x rows x {self.groups} scale bytes")
 
     def block(self, column: pa.ListArray) -> torch.Tensor:
@@ -332,11 +348,11 @@ class QuantCells(Cells):
         if not self.planes:
             rows = raw.reshape(-1, self.stored_row_bytes)
             codes = rows[:, :self.width]
-            scale = np.ascontiguousarray(rows[:, self.width:]).view(np.uint16)
+            scale = rows[:, self.width:].copy().view(np.uint16)  # a copy: one row's slice keeps its odd stride
         else:
             codes_parts, scale_parts = [], []
-            for j in range(len(column)):  # one sample per step: three slices, no per-value work
-                a, b, c, d = (int(value_offs[offs[j] + k]) - first for k in range(4))
+            for v in range(start, stop, 3):  # one piece per step: three slices, no per-value work
+                a, b, c, d = (int(value_offs[v + k]) - first for k in range(4))
                 codes_parts.append(raw[a:b].reshape(-1, self.width))
                 s16 = np.empty(c - b, np.uint16)
                 _join(np.stack([raw[b:c], raw[c:d]]), s16)
@@ -380,6 +396,71 @@ def _join(planes: np.ndarray, out: np.ndarray) -> None:
         out |= planes[k]
 
 
+def sample_starts(table: pa.Table) -> np.ndarray | None:
+    """The Parquet rows of a table that begin a sample (``first_row`` 0); None when every row is a whole sample."""
+    if FIRST_ROW.name not in table.column_names:
+        return None
+    first = table.column(FIRST_ROW.name).to_numpy()
+    return np.flatnonzero(first == 0) if first.any() else None
+
+
+def join_pieces(table: pa.Table, metadata: Mapping, where: str) -> pa.Table:
+    """One row per sample: each long sample's pieces joined into one row (its hidden cells' values and its
+    positions chained in order, every other column from its first piece), ``first_row`` 0 throughout.
+
+    Whole samples stay views of the table's buffers; only the pieces of long samples are copied.
+    """
+    starts = sample_starts(table)
+    if starts is None:
+        return table
+    if starts[:1].tolist() != [0]:
+        raise ShardError(f"{where}: the first row is a piece of a sample that starts in another shard "
+                         f"(first_row {table.column(FIRST_ROW.name)[0].as_py()})")
+    ends = np.append(starts[1:], table.num_rows)
+    _check_pieces(table, starts, ends, where)
+    chained = {POSITIONS.name, *(g["name"] for g in metadata["layers"])}
+    parts, at = [], 0  # runs of whole samples (views) and joined long samples, chunked alike in every column
+    for j in np.flatnonzero(ends - starts > 1):
+        a, b = int(starts[j]), int(ends[j])
+        if a > at:
+            parts.append(table.slice(at, a - at))
+        pieces = table.slice(a, b - a)
+        parts.append(pa.Table.from_arrays([_chain(pieces.column(name)) if name in chained else
+                                           pa.array([0], pa.int64()) if name == FIRST_ROW.name else
+                                           pieces.column(name).slice(0, 1).combine_chunks()
+                                           for name in table.column_names], schema=table.schema))
+        at = b
+    if at < table.num_rows:
+        parts.append(table.slice(at))
+    return pa.concat_tables(parts)
+
+
+def _check_pieces(table: pa.Table, starts: np.ndarray, ends: np.ndarray, where: str) -> None:
+    """Each piece names its sample and starts where the pieces before it end."""
+    ids = table.column("sample_id").to_numpy(zero_copy_only=False)
+    owner = np.repeat(np.arange(len(starts)), ends - starts)
+    bad = np.flatnonzero(ids != ids[starts][owner])
+    if len(bad):
+        raise ShardError(f"{where}: Parquet row {int(bad[0])} is a piece of {ids[bad[0]]!r} inside sample "
+                         f"{ids[starts[owner[bad[0]]]]!r}")
+    if POSITIONS.name not in table.column_names:
+        return
+    rows = pa.compute.list_value_length(table.column(POSITIONS.name)).to_numpy(zero_copy_only=False).astype(np.int64)
+    before = np.cumsum(rows) - rows
+    want = before - before[starts][owner]  # rows of the sample's earlier pieces
+    got = table.column(FIRST_ROW.name).to_numpy()
+    bad = np.flatnonzero(got != want)
+    if len(bad):
+        raise ShardError(f"{where}: a piece of sample {ids[bad[0]]!r} starts at row {int(got[bad[0]])}; its earlier "
+                         f"pieces hold {int(want[bad[0]])} rows")
+
+
+def _chain(col: pa.ChunkedArray) -> pa.Array:
+    """A list column's rows made one list of all their values, in order (a copy)."""
+    values = pa.concat_arrays([c.flatten() for c in col.chunks])
+    return pa.ListArray.from_arrays(pa.array([0, len(values)], pa.int32()), values, type=col.type)
+
+
 def column_rows(column: pa.ChunkedArray, metadata: Mapping, group: Mapping) -> np.ndarray:
     """Stored rows of each sample of a hidden column (all chunks), [S] int64."""
     cells = Cells.of(metadata, group)
@@ -390,6 +471,8 @@ def decode(cell, width: int, dtype: str = "bfloat16", codec: str = DEFAULT_CODEC
     """One sample's cell of a hidden column, as pandas or pyarrow give it, -> ``[rows, W]`` numpy array.
 
     ``cell`` is the sequence of ``bytes`` (pandas: an object array; pyarrow: ``ListScalar.as_py()``).
+    A long sample (format 6) spans several Parquet rows, its pieces in ``first_row`` order: pass one
+    piece's cell for its rows, or the pieces' cells chained (``[v for c in cells for v in c]``) for all.
     A lossy dtype (``int8``, ``float8_e4m3``) comes back dequantised, as float32. bfloat16 comes back as its uint16 bit patterns (numpy has no bfloat16): ``torch.from_numpy(a).view(
     torch.bfloat16)``. ``codec`` and ``dtype`` are in the shard's metadata (``hsx.open(path).metadata``).
     """
@@ -401,9 +484,10 @@ def decode(cell, width: int, dtype: str = "bfloat16", codec: str = DEFAULT_CODEC
     values = [np.frombuffer(v, np.uint8) for v in cell]
     if CODECS[codec_of({"codec": codec})][1] == "rows":
         return (np.concatenate(values) if values else np.zeros(0, np.uint8)).view(np_dtype).reshape(-1, width)
-    if len(values) != size or len({len(v) for v in values}) != 1:
-        raise ShardError(f"a {codec} cell of {dtype} holds {size} equal byte planes; got lengths {[len(v) for v in values]}")
-    return np.stack(values, axis=-1).reshape(-1).view(np_dtype).reshape(-1, width)
+    pieces = [values[k:k + size] for k in range(0, len(values), size)]
+    if not pieces or any(len(p) != size or len({len(v) for v in p}) != 1 for p in pieces):
+        raise ShardError(f"a {codec} cell of {dtype} holds {size} equal byte planes a piece; got lengths {[len(v) for v in values]}")
+    return np.concatenate([np.stack(p, axis=-1).reshape(-1) for p in pieces]).view(np_dtype).reshape(-1, width)
 
 
 def _decode_lossy(cell, width: int, dtype: str, codec: str) -> np.ndarray:

@@ -78,7 +78,7 @@ class TokenLoader(IterableDataset):
         self._dataset_index[ds._index] = np.arange(len(ds._index))
         self._paths, self._entries = list(ds._paths), list(ds._entries)
         self._layers = [g for g in ds.metadata["layers"] if g["name"] in self.columns]
-        self._groups = [_row_groups(p) for p in self._paths]  # samples per row group, per shard
+        self._groups = [_row_groups(p) for p in self._paths]  # samples starting in each row group, per shard
         self._starts = [int(x) for x in ds._starts]
 
     def set_epoch(self, epoch: int) -> None:
@@ -113,20 +113,25 @@ class TokenLoader(IterableDataset):
         f = pq.ParquetFile(path, page_checksum_verification=entry is None, pre_buffer=False, buffer_size=1 << 20)
         meta = fmt.read_metadata(f.schema_arrow, str(path))
         check_schema(f.schema_arrow, meta, str(path))
-        first = block.first_sample
+        first = block.first_sample  # the next sample to start; a long sample's later pieces belong to the one before
+        pieces = [fmt.FIRST_ROW.name] if fmt.FIRST_ROW.name in f.schema_arrow.names else []
         for batch in f.iter_batches(batch_size=SAMPLES_PER_READ, row_groups=[block.row_group],
-                                    columns=_BASE + self.columns, use_threads=False):
+                                    columns=_BASE + pieces + self.columns, use_threads=False):
             table = pa.Table.from_batches([batch])
-            yield self._rows(table, meta, str(path), first, block)
-            first += table.num_rows
+            starts = table.column(pieces[0]).to_numpy() == 0 if pieces else np.ones(table.num_rows, bool)
+            yield self._rows(table, meta, str(path), first - 1 + np.cumsum(starts), block)
+            first += int(starts.sum())
 
-    def _rows(self, table: pa.Table, meta: dict, where: str, first: int, block: _Block) -> dict[str, np.ndarray]:
+    def _rows(self, table: pa.Table, meta: dict, where: str, sample_of: np.ndarray, block: _Block) -> dict[str, np.ndarray]:
+        """The chosen rows of a batch of Parquet rows (samples, or pieces of them: ``sample_of`` gives each one's
+        sample, as a global index into the shards)."""
         fmt.check_row_bytes(table, {**meta, "layers": self._layers}, where)
         ids, prompt, mask = (table.column(c).combine_chunks() for c in _BASE)
         hidden = {g["name"]: _raw_rows(table.column(g["name"]), meta, g) for g in self._layers}
         rows = fmt.column_rows(table.column(self._layers[0]["name"]), meta, self._layers[0])
-        labels = row_labels(meta, ids, prompt, mask, rows, where, self.where)
-        sample = labels.owner + first
+        first_row = table.column(fmt.FIRST_ROW.name).to_numpy() if fmt.FIRST_ROW.name in table.column_names else None
+        labels = row_labels(meta, ids, prompt, mask, rows, where, self.where, first_row)
+        sample = sample_of[labels.owner]
         # a block shared by several consumers: each takes every parts-th sample
         chosen = np.flatnonzero(labels.chosen & (sample % block.parts == block.part))
         out = {name: rows[chosen] for name, rows in hidden.items()}
@@ -248,13 +253,18 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
 
 
 def _row_groups(path: Path) -> list[int]:
+    """Samples that start in each row group of a shard (a long sample's later pieces start none)."""
     try:
-        md = pq.ParquetFile(path).metadata
+        f = pq.ParquetFile(path)
+        md = f.metadata
+        if fmt.FIRST_ROW.name not in f.schema_arrow.names:
+            return [md.row_group(g).num_rows for g in range(md.num_row_groups)]
+        return [int((f.read_row_group(g, columns=[fmt.FIRST_ROW.name]).column(0).to_numpy() == 0).sum())
+                for g in range(md.num_row_groups)]
     except FileNotFoundError:
         raise ShardError(f"{path}: shard listed in the manifest is missing") from None
     except (pa.ArrowException, OSError) as e:
         raise ShardError(f"{path}: unreadable Parquet ({e})") from None
-    return [md.row_group(g).num_rows for g in range(md.num_row_groups)]
 
 
 def _check_file(path: Path, entry: ShardEntry | None) -> None:

@@ -119,6 +119,7 @@ def load_shard(path: Path, entry: ShardEntry | None) -> _Shard:
     meta = fmt.read_metadata(table.schema, str(path))
     check_schema(table.schema, meta, str(path))
     fmt.check_row_bytes(table, meta, str(path))
+    table = fmt.join_pieces(table, meta, str(path))  # from here on a row is a sample
     if entry is not None:
         if table.num_rows != entry.samples:
             raise ShardError(f"{path}: {table.num_rows} samples, manifest says {entry.samples}")
@@ -228,12 +229,14 @@ class RowLabels:
 
 
 def row_labels(meta: dict, input_ids: pa.ListArray, prompt_len: pa.Array, loss_mask: pa.ListArray,
-               rows: np.ndarray, where: str, rule: str = "all") -> RowLabels:
+               rows: np.ndarray, where: str, rule: str = "all", first_row: np.ndarray | None = None) -> RowLabels:
     """Labels of the stored rows of a block of samples (one Arrow chunk per column), in ``where``.
 
     ``rows`` [S] are the block's stored row counts; they must match what the shard's ``keep`` rule
     gives for these tokens, else the rows would be labelled with the wrong positions. ``rule``
-    (a :mod:`hsx.shards.positions` rule) marks the rows a reader wants in ``chosen``.
+    (a :mod:`hsx.shards.positions` rule) marks the rows a reader wants in ``chosen``. A block of
+    pieces (format 6, read without joining) gives each piece's ``first_row``: its rows are then the
+    sample's rows ``first_row .. first_row + rows - 1``, and ``owner`` numbers the pieces.
     """
     ids_off = input_ids.offsets.to_numpy().astype(np.int64)
     ids = input_ids.values.to_numpy().astype(np.int64)[ids_off[0]:]
@@ -246,6 +249,16 @@ def row_labels(meta: dict, input_ids: pa.ListArray, prompt_len: pa.Array, loss_m
     prompt = prompt_len.to_numpy().astype(np.int64)
     owner, pos = positions.kept(fmt.keep_of(meta), meta["mode"], n_tok, prompt, mask, ids_off)
     want = np.bincount(owner, minlength=len(n_tok))
+    if first_row is not None and np.any((first_row > 0) | (rows < want)):  # pieces: each must lie inside its sample
+        first_row = np.asarray(first_row, np.int64)
+        if np.any(first_row + rows > want):
+            j = int(np.flatnonzero(first_row + rows > want)[0])
+            raise ShardError(f"{where}: a piece of sample {j} of a row group holds rows {int(first_row[j])}.."
+                             f"{int(first_row[j] + rows[j]) - 1}; keep={fmt.keep_of(meta)!r} in {meta['mode']} mode gives "
+                             f"{int(want[j])} for its {int(n_tok[j])} tokens")
+        rank = np.arange(len(owner)) - (np.cumsum(want) - want)[owner]  # row index within its sample
+        inside = (rank >= first_row[owner]) & (rank < (first_row + rows)[owner])
+        owner, pos, want = owner[inside], pos[inside], rows
     if not np.array_equal(want, rows):
         j = int(np.flatnonzero(want != rows)[0])
         raise ShardError(f"{where}: sample {j} of a row group has {int(rows[j])} rows; keep={fmt.keep_of(meta)!r} "

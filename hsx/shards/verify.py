@@ -184,6 +184,16 @@ def _verify_one(path: Path, entry: ShardEntry | None, m: Manifest | None) -> Sha
     return r
 
 
+def _pieces_column(meta: dict) -> list[str]:
+    return [fmt.FIRST_ROW.name] if meta.get("format_version", fmt.FORMAT_VERSION) >= 6 else []
+
+
+def _first_pieces(table: pa.Table) -> pa.Table:
+    """One row per sample: a long sample's first piece (the others repeat its token columns)."""
+    starts = fmt.sample_starts(table)
+    return table if starts is None else table.take(pa.array(starts))
+
+
 def _read_schema(path: Path) -> pa.Schema:
     try:
         return pq.read_schema(path)
@@ -213,7 +223,7 @@ def inspect(path: str | Path) -> dict:
     else:
         raise ShardError(f"{path}: no such file or directory")
     cols = ["input_ids", "prompt_len", "loss_mask", "accept_lens", "finish_reason"]
-    tables = [_read_columns(f, cols) for f in files]
+    tables = [_first_pieces(_read_columns(f, cols + _pieces_column(meta))).select(cols) for f in files]
     t = pa.concat_tables(tables) if tables else fmt.schema_for(meta).empty_table().select(cols)
     n_tok = _lengths(t.column("input_ids")) if t.num_rows else np.zeros(0, np.int64)
     prompt = t.column("prompt_len").to_numpy() if t.num_rows else np.zeros(0, np.int64)

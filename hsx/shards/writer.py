@@ -110,14 +110,20 @@ def _optional_int_lists(parts: Sequence[torch.Tensor | None]) -> pa.Array:
 
 
 class ShardWriter:
-    """Writes batches of :class:`Record` to one Parquet file. Use as a context manager or call ``finalize``."""
+    """Writes batches of :class:`Record` to one Parquet file. Use as a context manager or call ``finalize``.
 
-    def __init__(self, path: str | Path, metadata: Mapping):
+    A record whose rows take more than ``piece_bytes`` in its widest column is written in pieces
+    (format 6, see :mod:`hsx.shards.format`), each a row group of its own, encoded one at a time.
+    """
+
+    def __init__(self, path: str | Path, metadata: Mapping, piece_bytes: int = fmt.PIECE_BYTES):
         self.path = Path(path)
         self.metadata = dict(metadata)
         self.schema = fmt.schema_for(self.metadata)
         self.layers = [(g["name"], g["width"]) for g in self.metadata["layers"]]
         self.cells = {g["name"]: fmt.Cells.of(self.metadata, g) for g in self.metadata["layers"]}
+        widest = max((c.stored_row_bytes for c in self.cells.values()), default=1)
+        self.piece_rows = max(1, piece_bytes // widest)  # rows a piece holds
         self.compression = fmt.CODECS[fmt.codec_of(self.metadata)][0]
         self.keep, self.mode = fmt.keep_of(self.metadata), self.metadata["mode"]
         self._writer: pq.ParquetWriter | None = None
@@ -152,16 +158,41 @@ class ShardWriter:
         )
 
     def write(self, records: Sequence[Record]) -> None:
-        """Write ``records`` as one row group."""
+        """Write ``records`` as one row group (a long record: a row group per piece, in order)."""
         if not records:
             return
         for r in records:
             r.wait()
-        if self._writer is None:
-            self._writer = self._open()
         for r in records:
             if set(r.hidden) != {n for n, _ in self.layers}:
                 raise ShardError(f"sample {r.sample_id!r}: columns {sorted(r.hidden)}, shard expects {[n for n, _ in self.layers]}")
+            if r.num_rows > self.piece_rows and fmt.FIRST_ROW.name not in self.schema.names:
+                raise ShardError(f"sample {r.sample_id!r}: {r.num_rows} rows need pieces of {self.piece_rows}, which "
+                                 f"format {self.metadata.get('format_version')} shards cannot hold")
+        if self._writer is None:
+            self._writer = self._open()
+        whole: list[tuple[Record, int, int | None]] = []
+        for r in records:
+            n = r.num_rows
+            if n <= self.piece_rows:
+                whole.append((r, 0, None))
+                continue
+            self._write_group(whole)
+            whole = []
+            pos = self._positions(r)
+            for a in range(0, n, self.piece_rows):
+                self._write_group([(r, a, min(n, a + self.piece_rows))], pos)
+        self._write_group(whole)
+        self._stats.samples += len(records)
+        self._stats.rows += sum(r.num_rows for r in records)
+        self._stats.tokens += sum(int(r.input_ids.numel()) for r in records)
+
+    def _write_group(self, parts: list[tuple[Record, int, int | None]], pos: torch.Tensor | None = None) -> None:
+        """One row group: a Parquet row for each (record, first row, end row or None for all of its rows);
+        ``pos``: the positions of a single record's rows, when known."""
+        if not parts:
+            return
+        records = [r for r, _, _ in parts]
         arrays = [
             pa.array([r.sample_id for r in records], pa.string()),
             pa.array([r.source_index for r in records], pa.int64()),
@@ -173,13 +204,13 @@ class ShardWriter:
             _optional_int_lists([r.accept_lens for r in records]),
         ]
         if "positions" in self.schema.names:
-            arrays.append(_int_lists([self._positions(r) for r in records], pa.int32(), np.int32))
+            whole = [pos if pos is not None else self._positions(r) for r in records]
+            arrays.append(_int_lists([p[a:b] for p, (_, a, b) in zip(whole, parts)], pa.int32(), np.int32))
+        if fmt.FIRST_ROW.name in self.schema.names:
+            arrays.append(pa.array([a for _, a, _ in parts], pa.int64()))
         for name, _ in self.layers:
-            arrays.append(self.cells[name].encode([r.hidden[name] for r in records]))
-        self._writer.write_table(pa.Table.from_arrays(arrays, schema=self.schema), row_group_size=len(records))
-        self._stats.samples += len(records)
-        self._stats.rows += sum(r.num_rows for r in records)
-        self._stats.tokens += sum(int(r.input_ids.numel()) for r in records)
+            arrays.append(self.cells[name].encode([r.hidden[name][a:b] for r, a, b in parts]))
+        self._writer.write_table(pa.Table.from_arrays(arrays, schema=self.schema), row_group_size=len(parts))
 
     def _positions(self, r: Record) -> torch.Tensor:
         """The positions the ``keep`` rule gives the sample (rows that disagree are ``hsx verify``'s to report)."""
@@ -273,6 +304,7 @@ class ShardSink:
         max_shard_bytes: int = 512 << 20,
         max_shard_samples: int = 100_000,
         row_group_bytes: int = ROW_GROUP_BYTES,
+        piece_bytes: int = fmt.PIECE_BYTES,
         lanes: int = 1,
         names: Callable[[int], str] | None = None,
         persist: bool = True,
@@ -283,6 +315,7 @@ class ShardSink:
         self.max_shard_bytes = max_shard_bytes
         self.max_shard_samples = max_shard_samples
         self.row_group_bytes = row_group_bytes
+        self.piece_bytes = piece_bytes
         if lanes < 1:
             raise ShardError(f"lanes must be >= 1, got {lanes}")
         self.lanes = [_Lane() for _ in range(lanes)]
@@ -329,7 +362,7 @@ class ShardSink:
         if lane.writer is None:
             lane.name = self.names(self._next)
             self._next += 1
-            lane.writer = ShardWriter(self.dir / staged_name(lane.name), self.manifest.metadata)
+            lane.writer = ShardWriter(self.dir / staged_name(lane.name), self.manifest.metadata, self.piece_bytes)
         records, nbytes = self._buffer, self._buffer_bytes
         self._buffer, self._buffer_bytes = [], 0
         lane.ids += [r.sample_id for r in records]

@@ -11,9 +11,9 @@ tensors alone (docs/FORMAT.md, "Layer boundaries"):
 
 These are the tensors transformers' own ``hidden_states`` are made of (it records them with hooks
 on the same blocks), so the rows are the same bits; :func:`hsx.engine.families.check_layout` proves
-each of these points against ``hidden_states`` on one short forward before the engine is used.
-Boundary L and ``final`` come from the final norm as before, also for models whose last block's
-output is not the norm's input (hyper-connection models, whose blocks carry ``hc_mult`` streams).
+each of these points against ``hidden_states`` on one short forward before the engine is used (and
+that the last block's output is the final norm's input). A tensor is kept as the module hands it
+over, never reshaped: its width is checked against the column's when the rows are collected.
 """
 
 from __future__ import annotations

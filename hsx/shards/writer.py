@@ -28,8 +28,8 @@ import torch
 from hsx.errors import ShardError
 from hsx.shards import format as fmt
 from hsx.shards import positions
-from hsx.shards.manifest import (ErrorRecord, Manifest, ShardEntry, file_checksum, publish, save_manifest,
-                                 staged_name)
+from hsx.shards.manifest import (ErrorRecord, Manifest, ShardEntry, publish, save_manifest, staged_name,
+                                 streamed_checksum)
 
 DEFAULT_LANES = min(4, os.cpu_count() or 1)  # BackgroundSink's lanes: the pipeline's parallel shard writers
 ROW_GROUP_BYTES = 64 << 20  # records' bytes per row group (with several lanes, per shard)
@@ -209,7 +209,7 @@ class ShardWriter:
         if fmt.FIRST_ROW.name in self.schema.names:
             arrays.append(pa.array([a for _, a, _ in parts], pa.int64()))
         for name, _ in self.layers:
-            arrays.append(self.cells[name].encode([r.hidden[name][a:b] for r, a, b in parts]))
+            arrays.append(self.cells[name].encode([r.hidden[name] if b is None else r.hidden[name][a:b] for r, a, b in parts]))
         self._writer.write_table(pa.Table.from_arrays(arrays, schema=self.schema), row_group_size=len(parts))
 
     def _positions(self, r: Record) -> torch.Tensor:
@@ -446,7 +446,7 @@ class ShardSink:
         except OSError as e:
             self._fail(lane, e)
         self.manifest.shards.append(
-            ShardEntry(lane.name, stats.samples, stats.rows, stats.tokens, stats.bytes, file_checksum(tmp),
+            ShardEntry(lane.name, stats.samples, stats.rows, stats.tokens, stats.bytes, streamed_checksum(tmp),
                        list(lane.ids), list(lane.sources))
         )
         self.bytes_written += stats.bytes

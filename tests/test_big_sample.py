@@ -40,6 +40,7 @@ def test_a_column_over_2_gib_is_written_and_read_back_bit_exact(tmp_path, codec)
     short = make_record(1, 5, meta, {"l0": rows[:4].clone()}, None)
     long = make_record(0, ROWS + 1, meta, {"l0": rows}, None)
     write_sink(tmp_path / "out", meta, [long, short])
+    del long
     pieces = sum(pq.ParquetFile(f).metadata.num_rows for f in (tmp_path / "out").glob("shard-*.parquet"))
     assert pieces == 33 + 1  # 64 MiB pieces of the 2.01 GiB column, then the short sample
     ds = hsx.open(tmp_path / "out")
@@ -48,4 +49,5 @@ def test_a_column_over_2_gib_is_written_and_read_back_bit_exact(tmp_path, codec)
     assert got.shape == (ROWS, WIDTH) and torch.equal(got.view(torch.int16), rows.view(torch.int16))
     del got
     assert torch.equal(ds[1].hidden("l0").view(torch.int16), rows[:4].view(torch.int16))
+    del ds, rows
     assert verify(tmp_path / "out").ok

@@ -21,7 +21,7 @@ import torch
 
 from hsx.errors import HsxError, ShardError
 from hsx.shards import format as fmt
-from hsx.shards.manifest import ErrorRecord, ShardEntry, load_manifest, manifest_path, shard_path, streamed_checksum
+from hsx.shards.manifest import ErrorRecord, ShardEntry, bytes_checksum, load_manifest, manifest_path, shard_path
 from hsx.shards import positions
 from hsx.shards.readonly import read_only
 
@@ -98,23 +98,22 @@ class _Shard:
 
 
 def load_shard(path: Path, entry: ShardEntry | None) -> _Shard:
-    """Read and check one shard file; any fault raises :class:`ShardError` naming the file.
-
-    The file is hashed and read in blocks (not mapped whole): what stays resident is the decoded table.
-    """
+    """Read and check one shard file; any fault raises :class:`ShardError` naming the file."""
     try:
-        size = path.stat().st_size
-        if entry is not None:
-            if size != entry.bytes:
-                raise ShardError(f"{path}: {size} bytes on disk, manifest says {entry.bytes} (truncated or rewritten)")
-            digest = streamed_checksum(path)
-            if digest != entry.xxh3_128:
-                raise ShardError(f"{path}: checksum {digest} does not match the manifest's {entry.xxh3_128} (corrupt)")
-        # Page CRCs are checked only without a manifest entry: once the whole file's xxh3-128
-        # matches, they cannot fail, and verifying them would halve the read speed.
-        table = pq.read_table(path, page_checksum_verification=entry is None)
+        with pa.memory_map(str(path)) as f:
+            buf = f.read_buffer()
     except FileNotFoundError:
         raise ShardError(f"{path}: shard listed in the manifest is missing") from None
+    if entry is not None:
+        if buf.size != entry.bytes:
+            raise ShardError(f"{path}: {buf.size} bytes on disk, manifest says {entry.bytes} (truncated or rewritten)")
+        digest = bytes_checksum(buf)
+        if digest != entry.xxh3_128:
+            raise ShardError(f"{path}: checksum {digest} does not match the manifest's {entry.xxh3_128} (corrupt)")
+    try:
+        # Page CRCs are checked only without a manifest entry: once the whole file's xxh3-128
+        # matches, they cannot fail, and verifying them would halve the read speed.
+        table = pq.read_table(pa.BufferReader(buf), page_checksum_verification=entry is None)
     except (pa.ArrowException, OSError) as e:
         raise ShardError(f"{path}: unreadable Parquet ({e})") from None
     meta = fmt.read_metadata(table.schema, str(path))

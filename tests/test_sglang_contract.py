@@ -34,7 +34,8 @@ from hsx.demo.models import build_tiny_llama, perturbed_copy
 from hsx.demo.tokenizer import build_demo_tokenizer
 from hsx.engine.hf import HFEngine, SamplingSettings, SpecSettings
 from hsx.engine import hf as hf_engine
-from hsx.engine.sglang import capture_ids_for, import_sglang, sglang_capture
+from hsx.engine.layer_ids import sglang_boundaries, sglang_ids_for
+from hsx.engine.sglang import import_sglang
 from hsx.engine.sglang_capture import HOOK_FACTORY, CaptureSpec, Writer, read_records
 from hsx.align import Collector
 from hsx.errors import HsxError
@@ -537,21 +538,21 @@ def test_cli_spec_algorithm(models, tmp_path):
     ("deepseek_v3", [2, 15, 28], (2, 15, 28)),  # otherwise as-is
 ])
 def test_sglang_capture_rule(model_type, ids, want):
-    assert sglang_capture(ids, model_type, 32) == want
+    assert sglang_boundaries(ids, model_type, 32) == want
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "gpt_oss", "deepseek_v2"])
 @pytest.mark.parametrize("boundaries", [(2, 16, 29), (2, 3, 4), (5,), (3, 31)])
 def test_capture_ids_round_trip(model_type, boundaries):
-    ids = capture_ids_for(boundaries, model_type, 32)
-    assert sglang_capture(ids, model_type, 32) == boundaries and all(0 <= i < 32 for i in ids)
+    ids = sglang_ids_for(boundaries, model_type, 32)
+    assert sglang_boundaries(ids, model_type, 32) == boundaries and all(0 <= i < 32 for i in ids)
 
 
 @pytest.mark.parametrize("model_type,boundaries", [("llama", (0, 4)), ("llama", (4, 32)), ("llama", (5, 3)),
                                                    ("llama", (4, 4)), ("deepseek_v2", (1, 2, 3))])
 def test_capture_ids_refused(model_type, boundaries):
     with pytest.raises(HsxError):
-        capture_ids_for(boundaries, model_type, 32)
+        sglang_ids_for(boundaries, model_type, 32)
 
 
 # ---- hsx's capture (--sglang-capture tensors) ---------------------------------------------------

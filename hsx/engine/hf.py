@@ -37,6 +37,7 @@ from hsx.engine.capture import MIN_TRANSFORMERS, Capture, Driven, forward
 from hsx.engine.families import FULL, AttentionPlan, load_causal_lm
 from hsx.engine.heads import Eagle3Head, head_kind, load_eagle3_head
 from hsx.engine.kv import KV
+from hsx.engine.layer_ids import sglang_boundaries
 from hsx.engine.kv import SlotLayer as _SlotLayer  # noqa: F401  (the cache layer, reached by tests under this name)
 from hsx.errors import HsxError
 
@@ -626,11 +627,9 @@ class HFEngine:
 def head_aux_boundaries(head: Eagle3Head, target) -> tuple[int, ...]:
     """The target boundaries an EAGLE3 head reads, by SGLang's rule for its layer ids (id + 1 for Llama-style
     targets: the output of layer id; the model's default when the head names none)."""
-    from hsx.engine.sglang import sglang_capture
-
     num_layers = int(target.config.get_text_config(decoder=True).num_hidden_layers)
     model_type = getattr(target.config, "model_type", None)
-    bounds = sglang_capture(head.aux_ids, model_type, num_layers)
+    bounds = sglang_boundaries(head.aux_ids, model_type, num_layers)
     if len(bounds) != head.num_aux or any(not 0 <= b <= num_layers for b in bounds):
         raise HsxError(f"EAGLE3 head {head.path!r}: aux layer ids {head.aux_ids} read boundaries {list(bounds)}; "
                        f"expected {head.num_aux} boundaries within 0..{num_layers}")

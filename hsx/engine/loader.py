@@ -9,6 +9,7 @@ import torch
 from hsx.align import LayerGroup, ModelShape, parse_layers
 from hsx.config import ExtractConfig
 from hsx.engine.batching import prefill_batches
+from hsx.engine.layer_ids import eagle3_ids_from_config
 from hsx.errors import HsxError
 from hsx.shards.format import DTYPES, dtype_of
 
@@ -27,18 +28,6 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise HsxError(f"--model-dtype must be auto, bfloat16, float16 or float32, got {name!r}")
     return DTYPES[name]
-
-
-def eagle3_ids_from_config(config) -> list[int] | None:
-    """``eagle_aux_hidden_state_layer_ids`` from a draft config (top level or its ``eagle_config``)."""
-    for holder in (getattr(config, "eagle_config", None), config):
-        if isinstance(holder, dict):
-            ids = holder.get("eagle_aux_hidden_state_layer_ids")
-        else:
-            ids = getattr(holder, "eagle_aux_hidden_state_layer_ids", None)
-        if ids:
-            return [int(i) for i in ids]
-    return None
 
 
 class HFRunner:

@@ -25,7 +25,7 @@ once more on its own. The rows pass through the alignment core's :class:`~hsx.al
 like the transformers engine's.
 
 Which layer: SGLang's aux capture ids are "input of layer id+1" for most models, i.e. boundary
-id+1 (see :func:`sglang_capture`).
+id+1 (see :func:`hsx.engine.layer_ids.sglang_boundaries`).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import torch
 
 from hsx.align import FINAL, Collector, LayerGroup, ModelShape, parse_layers, teacher_forced
 from hsx.config import ExtractConfig
-from hsx.engine.loader import eagle3_ids_from_config
+from hsx.engine.layer_ids import eagle3_ids_from_config, sglang_boundaries, sglang_ids_for
 from hsx.engine.sglang_capture import ERROR, PREFILL, CaptureSpec, Column, check_version, discard, read_records
 from hsx.errors import AlignmentError, HsxError, SampleError
 from hsx.shards.format import DTYPE_NAMES, DTYPES, dtype_of
@@ -61,8 +61,6 @@ REQUIRED_ARGS = {"disable_radix_cache": True, "chunked_prefill_size": -1, "enabl
                  "skip_tokenizer_init": True}
 # Model types whose returned rows are pre-norm states rather than the final-norm output.
 PRE_NORM_MODELS = {"deepseek_v4", "mimo_v2", "step3p5", "inkling"}
-# Model types whose draft-config ids are used as-is unless the first id is 1.
-FIRST_ID_RULE_MODELS = {"deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe_lite"}
 
 
 def import_sglang():
@@ -84,39 +82,6 @@ def import_sglang():
             f"verify returns every accepted hidden row for the right request: pip install 'hsx[sglang]'"
         )
     return sglang
-
-
-def sglang_capture(ids: Sequence[int] | None, model_type: str | None, num_layers: int) -> tuple[int, ...]:
-    """The boundaries SGLang captures for EAGLE3 layer ids ``ids`` (None: the model's default).
-
-    SGLang captures the input of layer i (boundary i) for i in ``layers_to_capture``; most models
-    set it to ``[id + 1 for id in ids]``; GPT-OSS keeps ids as-is when ``max(ids) == L``; the
-    DeepSeek-V2 family adds 1 only when the first id is 1.
-    """
-    if ids is None:
-        return (2, num_layers // 2, num_layers - 3)
-    ids = tuple(int(i) for i in ids)
-    if model_type == "gpt_oss" and max(ids) == num_layers:
-        return ids
-    if model_type in FIRST_ID_RULE_MODELS and ids[0] != 1:
-        return ids
-    return tuple(i + 1 for i in ids)
-
-
-def capture_ids_for(boundaries: Sequence[int], model_type: str | None, num_layers: int) -> list[int]:
-    """SGLang layer ids that make it capture exactly ``boundaries`` (low to high), or HsxError."""
-    b = tuple(int(x) for x in boundaries)
-    if list(b) != sorted(set(b)):
-        raise HsxError(f"SGLang concatenates captured layers low to high; boundaries {list(b)} are not strictly increasing")
-    for ids in ([x - 1 for x in b], list(b)):
-        if all(0 <= i < num_layers for i in ids) and sglang_capture(ids, model_type, num_layers) == b \
-                and all(x < num_layers for x in b):
-            return ids
-    raise HsxError(
-        f"SGLang cannot capture boundaries {list(b)} of this {num_layers}-block {model_type} model: no layer id "
-        f"list maps to them under its capture rule (ids name blocks 0..{num_layers - 1}; for most models "
-        f"boundary = id + 1, so boundaries 1..{num_layers - 1} are reachable)"
-    )
 
 
 @dataclass(frozen=True)
@@ -263,13 +228,13 @@ class SGLangRunner:
                                "use --layers eagle3, or --sglang-capture tensors for both")
             return group
         if algorithm == "EAGLE3":
-            captured = sglang_capture(draft_ids, model_type, self.shape.num_layers)
+            captured = sglang_boundaries(draft_ids, model_type, self.shape.num_layers)
             if tuple(group.sources) != captured:
                 raise HsxError(f"--layers {group.name} is boundaries {list(group.sources)}, but SGLang's EAGLE3 "
                                f"captures boundaries {list(captured)} for draft ids {draft_ids}")
             return _annotate(group, draft_ids, captured, "from the draft config")
         if algorithm is None:
-            ids = capture_ids_for(group.sources, model_type, self.shape.num_layers)
+            ids = sglang_ids_for(group.sources, model_type, self.shape.num_layers)
             args.update(enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
                         return_aux_hidden_state_layer_ids=ids)
             return _annotate(group, ids, group.sources, "return_aux_hidden_state_layer_ids")
@@ -287,7 +252,7 @@ class SGLangRunner:
         unit, num_layers = self.shape.unit_width, self.shape.num_layers
         bounds = tuple(sorted({s for g in groups for s in g.sources if s != FINAL}))
         if algorithm == "EAGLE3":
-            captured = sglang_capture(draft_ids, model_type, num_layers)
+            captured = sglang_boundaries(draft_ids, model_type, num_layers)
             missing = [b for b in bounds if b not in captured]
             if missing:
                 raise HsxError(f"under EAGLE3 SGLang captures boundaries {list(captured)} (draft ids {draft_ids}); "
@@ -298,7 +263,7 @@ class SGLangRunner:
                            "--spec-algorithm EAGLE3 (its draft's aux layers) or no speculation (aux capture)")
         elif bounds:
             captured = bounds
-            ids, where = capture_ids_for(bounds, model_type, num_layers), "return_aux_hidden_state_layer_ids"
+            ids, where = sglang_ids_for(bounds, model_type, num_layers), "return_aux_hidden_state_layer_ids"
             args.update(enable_return_aux_hidden_states=True, speculative_algorithm="EAGLE3",
                         return_aux_hidden_state_layer_ids=ids)
         else:

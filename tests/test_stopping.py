@@ -233,6 +233,24 @@ def test_an_output_on_a_read_only_mount_is_refused_in_one_line(model_dir, tmp_pa
     assert list(mount.iterdir()) == []
 
 
+def test_an_output_on_a_real_read_only_mount_is_refused_in_one_line(model_dir, tmp_path, monkeypatch, capsys):
+    """A tmpfs mounted read-only, where this machine lets the tests mount one (root): it refuses root too."""
+    mount = tmp_path / "ro-mount"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount)], capture_output=True, text=True) \
+        if os.geteuid() == 0 else None
+    if done is None or done.returncode:
+        pytest.skip(f"cannot mount a read-only tmpfs here ({done.stderr.strip() if done else 'not root'})")
+    try:
+        for out, reason in {mount: "Read-only file system",
+                            mount / "out": f"Read-only file system in {mount}, where it would be created"}.items():
+            code, err = run_main(monkeypatch, capsys, extract_args(model_dir, out, "--quiet"))
+            assert code == 2 and err == refusal(out, reason)
+        assert list(mount.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
 # --------------------------------------------------------------------------- verify on an incomplete run
 
 def test_verify_says_a_run_is_incomplete_and_checks_what_is_committed(tmp_path):

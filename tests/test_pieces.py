@@ -97,6 +97,26 @@ def test_pieces_read_back_as_the_whole_samples(tmp_path, codec, dtype, mode):
 
 
 @pytest.mark.parametrize("codec", CODECS)
+@pytest.mark.parametrize("dtype", LOSSLESS + list(fmt.LOSSY))
+def test_part_of_a_sample_is_read_without_decoding_the_rest(tmp_path, codec, dtype):
+    meta = make_metadata(WIDTHS, dtype, "prefill", codec)
+    records = records_for(meta, seed=5)
+    write_sink(tmp_path / "out", meta, records, piece_bytes=piece_bytes(meta, 4))
+    whole = [{c: s.hidden(c).clone() for c in s.hidden} for s in hsx.open(tmp_path / "out")]
+    ds = hsx.open(tmp_path / "out")  # fresh: nothing decoded yet
+    for j, s in enumerate(ds):
+        n = s.num_rows
+        for a, b in [(0, n), (1, n - 1), (3, 9), (4, 8), (n - 1, n), (5, 5), (-3, None), (7, 100)]:
+            for c in ds.columns:
+                got = s.hidden(c, rows=slice(a, b))
+                assert same_bits(got, whole[j][c][a:b]), (s.sample_id, c, a, b)
+                assert got.shape[1] == whole[j][c].shape[1]
+    assert not any(shard._blocks for shard in ds._cache.values())  # no chunk was decoded whole
+    with pytest.raises(TypeError, match="slice of consecutive rows"):
+        ds[0].hidden("l0", rows=slice(0, 4, 2))
+
+
+@pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
 @pytest.mark.parametrize("where", ["all", "loss"])
 def test_the_loader_streams_pieces_as_the_whole_samples(tmp_path, codec, dtype, where):

@@ -182,7 +182,7 @@ class Cells:
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.row_bytes = width * self.itemsize
         self.stored_row_bytes = self.row_bytes
-        self.per_piece = self.itemsize  # planes: binary values a piece's cell holds
+        self.plane_row_bytes = [width] * self.itemsize  # planes: bytes a row takes in each of a piece's values
 
     @classmethod
     def of(cls, metadata: Mapping, group: Mapping) -> "Cells":
@@ -278,6 +278,37 @@ class Cells:
         return read_only(torch.from_numpy(out.view(np.uint8)).view(self.dtype).view(-1, self.width))
 
 
+    def sample_rows(self, column: pa.ListArray, index: int, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start..stop-1`` of sample ``index`` of a column chunk, decoded alone (the rest of the
+        sample is not decoded): rows layout, the values of those rows (a view for lossless dtypes);
+        planes, the same byte ranges cut out of each piece's values."""
+        offs = column.offsets.to_numpy()
+        first, last = int(offs[index]), int(offs[index + 1])
+        if stop <= start:
+            return read_only(torch.empty((0, self.width), dtype=self.dtype))
+        if not self.planes:
+            if type(self) is Cells:
+                return block_view(column.values, first + start, first + stop, self.width, self.dtype)
+            return self.block(_cell_of(column.values.slice(first + start, stop - start)))
+        value_offs = _value_offsets(column.values)
+        data = column.values.buffers()[2]
+        parts, at = [], 0  # the requested rows of each piece, as the piece's values would hold them
+        per = len(self.plane_row_bytes)
+        for v in range(first, last, per):
+            n = int(value_offs[v + 1] - value_offs[v]) // self.plane_row_bytes[0]  # the piece's rows
+            a, b = max(start, at) - at, min(stop, at + n) - at
+            if a < b:
+                for k, size in enumerate(self.plane_row_bytes):
+                    begin = int(value_offs[v + k]) + a * size
+                    parts.append(data[begin:begin + (b - a) * size])
+            at += n
+        lengths = np.array([0] + [p.size for p in parts], np.int64)
+        joined = np.concatenate([np.frombuffer(p, np.uint8) for p in parts]) if parts else np.zeros(0, np.uint8)
+        values = pa.Array.from_buffers(pa.large_binary(), len(parts), [None, pa.py_buffer(np.cumsum(lengths)),
+                                                                      pa.py_buffer(joined)])
+        return self.block(_cell_of(values))
+
+
 class QuantCells(Cells):
     """Cells of a lossy dtype (docs/FORMAT.md, version 5): int8 or e4m3 codes and bfloat16 group scales.
 
@@ -290,6 +321,7 @@ class QuantCells(Cells):
         super().__init__(width, READ_DTYPE_OF_LOSSY, planes)
         self.kind, self.groups = kind, quant.groups(width)
         self.stored_row_bytes = row_bytes(width, kind)
+        self.plane_row_bytes = [width, self.groups, self.groups]  # codes, scale bytes 0 and 1
 
     def encode(self, parts: list[torch.Tensor]) -> pa.ChunkedArray:
         chunks = []
@@ -372,6 +404,11 @@ def _cell(offsets: np.ndarray, data: np.ndarray) -> pa.ListArray:
     values = pa.Array.from_buffers(pa.large_binary(), len(offsets) - 1,
                                    [None, pa.py_buffer(offsets), pa.py_buffer(np.ascontiguousarray(data).reshape(-1))])
     return pa.ListArray.from_arrays(pa.array(np.array([0, len(offsets) - 1], dtype=np.int32)), values)
+
+
+def _cell_of(values: pa.Array) -> pa.ListArray:
+    """One cell holding ``values`` (``large_binary``)."""
+    return pa.ListArray.from_arrays(pa.array(np.array([0, len(values)], dtype=np.int32)), values)
 
 
 def _value_lengths(column: pa.ListArray) -> tuple[np.ndarray, np.ndarray]:

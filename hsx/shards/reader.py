@@ -77,6 +77,17 @@ class _Shard:
         block, starts = self.block(name, k)
         return block[int(starts[i]):int(starts[i + 1])]
 
+    def hidden_rows(self, name: str, row: int, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start..stop-1`` of a sample's column: a view of its chunk's block where that is decoded
+        already, else those rows alone, decoded from the cell (the chunk is not decoded or kept)."""
+        if name not in self.widths:
+            raise KeyError(f"{self.path.name}: no hidden-state column {name!r}; columns: {list(self.widths)}")
+        k, i = self.cols[name].chunk_of(row)
+        if (name, k) in self._blocks:
+            block, starts = self._blocks[(name, k)]
+            return block[int(starts[i]) + start:int(starts[i]) + stop]
+        return self.cells[name].sample_rows(self.cols[name].chunks[k], i, start, stop)
+
     def block(self, name: str, k: int) -> tuple[torch.Tensor, np.ndarray]:
         """Chunk ``k`` of a hidden column as one ``[R, W]`` tensor and its samples' row offsets.
 
@@ -187,6 +198,7 @@ class Sample:
         ``.float()``) to modify. Row j is the state after consuming token ``positions[j]`` (it predicts
         token ``positions[j] + 1``): without ``--keep``, position j, ``N - 1`` rows in generate mode and
         ``N`` in prefill mode for N tokens; under ``--keep`` only the positions its rule keeps, in order.
+        ``s.hidden("final", rows=slice(a, b))`` reads rows a..b-1 alone, without decoding the rest.
         """
         return SampleColumns(self)
 
@@ -212,9 +224,16 @@ class SampleColumns:
     def __getitem__(self, name: str) -> torch.Tensor:
         return self(name)
 
-    def __call__(self, name: str) -> torch.Tensor:
-        """Column ``name`` of the sample (see :attr:`Sample.hidden`)."""
-        return self._sample._shard.hidden(name, self._sample._row)
+    def __call__(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        """Column ``name`` of the sample (see :attr:`Sample.hidden`); ``rows=slice(a, b)`` reads rows a..b-1
+        alone, without decoding the rest of the sample (a long sample's other pieces included)."""
+        shard, row = self._sample._shard, self._sample._row
+        if rows is None:
+            return shard.hidden(name, row)
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise TypeError(f"rows must be a slice of consecutive rows (slice(a, b)), got {rows!r}")
+        start, stop, _ = rows.indices(shard.num_rows(row))
+        return shard.hidden_rows(name, row, start, max(start, stop))
 
 
 @dataclass

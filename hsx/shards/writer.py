@@ -204,8 +204,8 @@ class ShardWriter:
             _optional_int_lists([r.accept_lens for r in records]),
         ]
         if "positions" in self.schema.names:
-            whole = [pos if pos is not None else self._positions(r) for r in records]
-            arrays.append(_int_lists([p[a:b] for p, (_, a, b) in zip(whole, parts)], pa.int32(), np.int32))
+            every = [pos if pos is not None else self._positions(r) for r in records]  # each record's positions
+            arrays.append(_int_lists([p[a:b] for p, (_, a, b) in zip(every, parts)], pa.int32(), np.int32))
         if fmt.FIRST_ROW.name in self.schema.names:
             arrays.append(pa.array([a for _, a, _ in parts], pa.int64()))
         for name, _ in self.layers:

@@ -95,9 +95,10 @@ class AttentionPlan:
 
 
 def _float_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    # float mask with the dtype's minimum: eager attention adds a bool mask to the scores as 0/1
-    mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    return mask.masked_fill(~visible, torch.finfo(dtype).min)[:, None]  # [B, 1, q, K]
+    # float mask with the dtype's minimum: eager attention adds a bool mask to the scores as 0/1.
+    # Filled in place: one float tensor of the mask's size, no second one and no inverted bool copy
+    mask = torch.full(visible.shape, torch.finfo(dtype).min, dtype=dtype, device=visible.device)
+    return mask.masked_fill_(visible, 0.0)[:, None]  # [B, 1, q, K]
 
 
 # ---- module layout ---------------------------------------------------------------------------

@@ -36,9 +36,12 @@ from hsx.align import FINAL, AlignedSample, Collector, LayerGroup, ModelShape, p
 from hsx.engine.capture import MIN_TRANSFORMERS, Capture, Driven, forward
 from hsx.engine.families import FULL, AttentionPlan, load_causal_lm
 from hsx.engine.heads import Eagle3Head, head_kind, load_eagle3_head
+from hsx.engine.batch_state import BatchState, admissible
 from hsx.engine.kv import KV
-from hsx.engine.layer_ids import sglang_boundaries
 from hsx.engine.kv import SlotLayer as _SlotLayer  # noqa: F401  (the cache layer, reached by tests under this name)
+from hsx.engine.layer_ids import sglang_boundaries
+from hsx.engine.prompt_batch import PromptRows, pad_prompts, prompt_block, prompt_chunks, prompt_positions
+from hsx.engine.tree import DraftTree
 from hsx.errors import HsxError
 
 __all__ = ["MIN_TRANSFORMERS", "HFEngine", "SamplingSettings", "SpecSettings", "StreamStats", "head_aux_boundaries",
@@ -93,144 +96,6 @@ class StreamStats:
     widest_admission: int = 0  # padded prompt tokens of the largest admission of more than one request
 
 
-@dataclass
-class _Tree:
-    """Draft trees, one per request, root (the last emitted token) at node 0, parents before children."""
-
-    tokens: torch.Tensor  # [B, n]
-    parents: torch.Tensor  # [B, n] node index; the root is its own parent
-    depth: torch.Tensor  # [B, n]
-    anc: torch.Tensor  # [B, n, n] bool: anc[b, i, j] = j is i or an ancestor of i
-    score: torch.Tensor  # [B, n] cumulative draft log-prob (0 at the root)
-
-    @staticmethod
-    def start(root: torch.Tensor, size: int) -> "_Tree":
-        """Room for ``size`` nodes, filled by :meth:`add`; ``size == 1`` is plain decoding's tree."""
-        batch, dev = root.shape[0], root.device
-        zeros = torch.zeros(batch, size, dtype=torch.long, device=dev)
-        tree = _Tree(zeros.clone(), zeros.clone(), zeros.clone(),
-                     torch.zeros(batch, size, size, dtype=torch.bool, device=dev), zeros.float())
-        tree.tokens[:, 0], tree.anc[:, 0, 0] = root, True
-        return tree
-
-    def add(self, start: int, tokens, scores, parents, level: int) -> torch.Tensor:
-        """Fill nodes ``start, start + 1, ...`` with children of ``parents [B, c]``; returns their indices."""
-        idx = torch.arange(start, start + tokens.shape[1], device=tokens.device)
-        self.tokens[:, idx], self.score[:, idx], self.parents[:, idx], self.depth[:, idx] = tokens, scores, parents, level
-        self.anc[:, idx] = self.anc.gather(1, parents[:, :, None].expand(-1, -1, self.anc.shape[2]))
-        self.anc[:, idx, idx] = True
-        return idx
-
-    def visibility(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """``[B, q, k]``: which of the nodes ``keys [B, k]`` each node of ``queries [B, q]`` descends from (or is)."""
-        rows = self.anc.gather(1, queries[:, :, None].expand(-1, -1, self.anc.shape[2]))  # [B, q, M]
-        return rows.gather(2, keys[:, None, :].expand(-1, queries.shape[1], -1))
-
-    def subtree(self, nodes: torch.Tensor) -> "_Tree":
-        """The nodes ``[B, n]`` (ancestor-closed, root first), renumbered 0..n-1."""
-        batch, n = nodes.shape
-        slot_of = torch.full(self.tokens.shape, -1, dtype=torch.long, device=nodes.device)
-        slot_of.scatter_(1, nodes, torch.arange(n, device=nodes.device).expand(batch, n))
-        return _Tree(
-            self.tokens.gather(1, nodes),
-            slot_of.gather(1, self.parents.gather(1, nodes)),
-            self.depth.gather(1, nodes),
-            self.visibility(nodes, nodes),
-            self.score.gather(1, nodes),
-        )
-
-
-@dataclass
-class _State:
-    """The requests still running, slot i of every tensor is ``rids[i]``."""
-
-    rids: list
-    target: KV
-    draft: KV | None
-    # last step's emitted tokens (first pending_len per row): the draft has seen none of them, the
-    # target all but the last one, which is the root of the next step
-    pending: torch.Tensor  # [B, a]
-    pending_len: torch.Tensor  # [B]
-    n_out: torch.Tensor  # [B] completion tokens so far (CPU)
-    # EAGLE3 head as draft: the target's aux states at the pending tokens' parents, [B, a, K * H]
-    pending_aux: torch.Tensor | None = None
-
-    @property
-    def root(self) -> torch.Tensor:
-        return self.pending.gather(1, (self.pending_len - 1)[:, None])[:, 0]  # [B]
-
-    @property
-    def free(self) -> list[int]:
-        """Rows whose request finished (their id is None): a waiting request may take them."""
-        return [i for i, rid in enumerate(self.rids) if rid is None]
-
-    def without(self, rows: list[int]) -> "_State":
-        """The state without batch rows ``rows``."""
-        keep = torch.ones(len(self.rids), dtype=torch.bool)
-        keep[rows] = False
-        kept = keep.nonzero()[:, 0]  # CPU
-        dev = kept.to(self.pending.device)
-        for kv in (self.target, self.draft):
-            if kv is not None:
-                kv.select(dev)
-        return _State(
-            [self.rids[i] for i in kept.tolist()], self.target, self.draft,
-            self.pending[dev], self.pending_len[dev], self.n_out[kept],
-            None if self.pending_aux is None else self.pending_aux[dev],
-        )
-
-    def admit(self, new: "_State") -> "_State":
-        """``new``'s requests take the free rows first, the rest are appended; free rows left over
-        leave the batch. Only the new requests' slots are copied (a freed row is overwritten in place)."""
-        holes = self.free
-        h = min(len(holes), len(new.rids))
-        dev = self.pending.device
-        fill, src, rest = torch.tensor(holes[:h], dtype=torch.long), torch.arange(h), torch.arange(h, len(new.rids))
-        for mine, theirs in ((self.target, new.target), (self.draft, new.draft)):
-            if mine is not None:
-                mine.put(fill.to(dev), theirs, src.to(dev))
-                if rest.numel():
-                    mine.extend(theirs, rest.to(dev))
-
-        def merged(old, young, where):
-            width = max(old.shape[1], young.shape[1]) if old.dim() > 1 else None
-            old, young = (_widen(old, width), _widen(young, width)) if width else (old.clone(), young)
-            i, j, k = (t.to(where) for t in (fill, src, rest))
-            old[i] = young[j]
-            return torch.cat([old, young[k]])
-
-        rids = list(self.rids)
-        for i, rid in zip(holes[:h], new.rids[:h]):
-            rids[i] = rid
-        state = _State(
-            rids + new.rids[h:], self.target, self.draft,
-            merged(self.pending, new.pending, dev), merged(self.pending_len, new.pending_len, dev),
-            merged(self.n_out, new.n_out, "cpu"),
-            None if self.pending_aux is None else merged(self.pending_aux, new.pending_aux, dev),
-        )
-        return state.without(holes[h:]) if len(holes) > h else state
-
-
-def _widen(t: torch.Tensor, width: int) -> torch.Tensor:
-    """``t [B, w, ...]`` zero-padded along dim 1 to ``width`` (a new tensor)."""
-    pad = [0, 0] * (t.dim() - 2) + [0, width - t.shape[1]]
-    return torch.nn.functional.pad(t, pad)
-
-
-def _admissible(waiting: deque, free: int, max_tokens: int | None) -> list:
-    """Pop the next requests to prefill together: at most ``free`` of them, and (after the first)
-    only while the padded batch stays within ``max_tokens`` prompt tokens."""
-    batch = [waiting.popleft()]
-    width = batch[0][1].numel()
-    while waiting and len(batch) < free:
-        w = max(width, waiting[0][1].numel())
-        if max_tokens is not None and w * (len(batch) + 1) > max_tokens:
-            break
-        batch.append(waiting.popleft())
-        width = w
-    return batch
-
-
 def _choose(logits: torch.Tensor, sampling: SamplingSettings, generator: torch.Generator) -> torch.Tensor:
     """The target's (or first token's) choice per position of ``logits [..., V]``."""
     if sampling.temperature == 0:
@@ -243,54 +108,6 @@ def _choose(logits: torch.Tensor, sampling: SamplingSettings, generator: torch.G
         probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(logits.shape[:-1])
-
-
-def _pad(prompts: Sequence[torch.Tensor], side: str, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ids [B, P]`` and ``valid [B, P]`` for prompts of different lengths."""
-    width = max(p.numel() for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    valid = torch.zeros(len(prompts), width, dtype=torch.bool)
-    for i, p in enumerate(prompts):
-        cols = slice(0, p.numel()) if side == "right" else slice(width - p.numel(), width)
-        ids[i, cols] = p
-        valid[i, cols] = True
-    return ids.to(device), valid.to(device)
-
-
-def _prompt_positions(valid: torch.Tensor) -> torch.Tensor:
-    """Positions ``[B, P]`` of a padded prompt, counted over real tokens only."""
-    return (valid.long().cumsum(1) - 1).clamp(min=0)
-
-
-def _prompt_block(valid: torch.Tensor, part: slice) -> torch.Tensor:
-    """Causal visibility ``[B, q, q]`` among the prompt slots ``part`` (q of them), padding hidden; the slots
-    before ``part`` are the cache's committed ones, all earlier and all visible."""
-    width = part.stop - part.start
-    causal = torch.ones(width, width, dtype=torch.bool, device=valid.device).tril()
-    return causal[None] & valid[:, None, part]
-
-
-def _chunks(width: int, size: int | None) -> list[slice]:
-    """The prompt slots ``0..width-1`` in consecutive parts of ``size`` (None: one part)."""
-    size = width if size is None else size
-    return [slice(start, min(start + size, width)) for start in range(0, width, size)]
-
-
-class _PromptRows:
-    """Each request's prompt rows, appended part by part with its padding left out, in the stored dtype."""
-
-    def __init__(self, batch: int, dtype: torch.dtype):
-        self.dtype = dtype
-        self.parts: list[dict[str, list[torch.Tensor]]] = [{} for _ in range(batch)]
-
-    def add(self, cols: dict[str, torch.Tensor], valid: torch.Tensor) -> None:
-        """``cols``: name -> ``[B, q, W]`` of one part; ``valid [B, q]``: its real tokens."""
-        for name, c in cols.items():
-            for i, parts in enumerate(self.parts):
-                parts.setdefault(name, []).append(c[i][valid[i]].to(self.dtype))  # a copy: the part's tensor can go
-
-    def of(self, i: int) -> dict[str, torch.Tensor]:
-        return {name: p[0] if len(p) == 1 else torch.cat(p) for name, p in self.parts[i].items()}
 
 
 class HFEngine:
@@ -356,16 +173,16 @@ class HFEngine:
         rids, prompts = self._check_requests(requests)
         if not rids:
             return []
-        ids, valid = _pad(prompts, self.padding_side, self.device)  # [B, P]
-        positions = _prompt_positions(valid)
-        parts = _chunks(ids.shape[1], self.prefill_chunk)
-        rows = _PromptRows(len(rids), self.store_dtype)
+        ids, valid = pad_prompts(prompts, self.padding_side, self.device)  # [B, P]
+        positions = prompt_positions(valid)
+        parts = prompt_chunks(ids.shape[1], self.prefill_chunk)
+        rows = PromptRows(len(rids), self.store_dtype)
         no_logits = self.target.no_logits(self.device)
         with torch.inference_mode(), self._capture() as cap:
             # one forward needs no cache; a part sees the parts before it through the cache's committed slots
             kv = None if len(parts) == 1 else KV(self.target, len(rids), self.device, ids.shape[1])
             for part in parts:
-                block = _prompt_block(valid, part)
+                block = prompt_block(valid, part)
                 if kv is None:
                     forward(self.target, ids, positions, positions, block, None, **no_logits)
                 else:
@@ -406,7 +223,7 @@ class HFEngine:
             while waiting or (state is not None and len(state.rids) > len(state.free)):
                 busy = 0 if state is None else len(state.rids) - len(state.free)
                 if waiting and busy < slots:
-                    batch = _admissible(waiting, slots - busy, max_prefill_tokens)
+                    batch = admissible(waiting, slots - busy, max_prefill_tokens)
                     stats.admissions += 1
                     if len(batch) > 1:
                         width = len(batch) * max(p.numel() for _, p in batch)
@@ -424,7 +241,7 @@ class HFEngine:
                 if waiting:
                     stats.waiting_steps += 1
                     stats.waiting_full += len(state.rids) == slots
-                tree = self._draft_tree(state) if self.draft_model is not None else _Tree.start(state.root, 1)
+                tree = self._draft_tree(state) if self.draft_model is not None else DraftTree.start(state.root, 1)
                 emitted, accept_lens, hidden, aux = self._verify(state, tree, sampling, generator)
                 collector.step(state.rids, hidden, emitted, accept_lens, stride)
                 state, finished = self._retire(state, emitted, accept_lens, sampling, collector, aux)
@@ -432,12 +249,12 @@ class HFEngine:
 
     # ---- steps ---------------------------------------------------------------------------
 
-    def _start(self, rids, prompts, collector, sampling, generator, capacity: int = 0) -> _State:
+    def _start(self, rids, prompts, collector, sampling, generator, capacity: int = 0) -> BatchState:
         """Prefill both models over the padded prompts, in one forward or one per ``prefill_chunk`` slots;
         the target picks each request's first token. ``capacity`` is the cache slots per row to allocate ahead."""
         batch, dev = len(rids), self.device
-        ids, valid = _pad(prompts, self.padding_side, dev)  # [B, P]
-        positions = _prompt_positions(valid)
+        ids, valid = pad_prompts(prompts, self.padding_side, dev)  # [B, P]
+        positions = prompt_positions(valid)
         last = (valid.long() * torch.arange(valid.shape[1], device=dev)).argmax(1).cpu()  # [B] last real slot
         target = KV(self.target, batch, dev, capacity)
         draft = None if self.draft is None else KV(self.draft, batch, dev, capacity)
@@ -445,11 +262,11 @@ class HFEngine:
         # the last prompt position waits for the first token, as the pending step
         nxt_valid = valid & torch.cat([valid[:, 1:], valid[:, :1] & False], 1)
         nxt_ids = torch.cat([ids[:, 1:], ids[:, :1]], 1)
-        rows = _PromptRows(batch, self.store_dtype)
+        rows = PromptRows(batch, self.store_dtype)
         last_logits = pending_aux = None  # [B, V], head: [B, 1, K * H]
         with self._capture() as cap:
-            for part in _chunks(ids.shape[1], self.prefill_chunk):
-                block = _prompt_block(valid, part)
+            for part in prompt_chunks(ids.shape[1], self.prefill_chunk):
+                block = prompt_block(valid, part)
                 ending = ((last >= part.start) & (last < part.stop)).nonzero()[:, 0]  # rows whose prompt ends here
                 offset = last[ending] - part.start  # [e] their last slot within the part
                 # logits only at those rows' last positions (a few distinct ones), not [B, q, V]
@@ -486,17 +303,17 @@ class HFEngine:
         for i, rid in enumerate(rids):
             collector.prefill(rid, prompts[i], rows.of(i), first_list[i])
         ones = torch.ones(batch, dtype=torch.long, device=dev)
-        return _State(list(rids), target, draft, first[:, None], ones, torch.zeros(batch, dtype=torch.long),
+        return BatchState(list(rids), target, draft, first[:, None], ones, torch.zeros(batch, dtype=torch.long),
                       pending_aux)
 
-    def _draft_tree(self, state: _State) -> _Tree:
+    def _draft_tree(self, state: BatchState) -> DraftTree:
         """Draft ``num_draft_tokens - 1`` nodes per request: expand the top-k frontier for num_steps levels
         and keep the best nodes by cumulative draft log-prob (EAGLE / SGLang tree drafting)."""
         k, n = self.spec.topk, self.spec.num_draft_tokens
         draft = state.draft
         root_logits, root_hidden = self._draft_catch_up(state)  # [B, V], head: [B, H]
         root_pos = draft.lengths - 1  # [B]
-        pool = _Tree.start(state.root, self.spec.pool_size)
+        pool = DraftTree.start(state.root, self.spec.pool_size)
         top = torch.log_softmax(root_logits.float(), -1).topk(k)  # [B, k]
         frontier = pool.add(1, top.indices, top.values, torch.zeros_like(top.indices), 1).expand(len(state.rids), k)
         # a head reads, with each frontier token, the output it produced at that token's parent
@@ -525,7 +342,7 @@ class HFEngine:
         root = torch.zeros_like(best[:, :1])
         return pool.subtree(torch.cat([root, best.sort(1).values], 1))  # [B, n] nodes in pool (depth) order
 
-    def _draft_catch_up(self, state: _State) -> torch.Tensor:
+    def _draft_catch_up(self, state: BatchState) -> torch.Tensor:
         """Feed the draft what it has not seen (last step's emitted tokens, root last) as one block;
         returns its logits after the root ``[B, V]``."""
         draft, dev = state.draft, self.device
@@ -539,7 +356,7 @@ class HFEngine:
         last = (torch.arange(len(state.rids), device=dev), state.pending_len - 1)
         return out.logits[last], (out.hidden[last] if self.head else None)
 
-    def _verify(self, state: _State, tree: _Tree, sampling, generator):
+    def _verify(self, state: BatchState, tree: DraftTree, sampling, generator):
         """One target forward over ``[root + drafts]``; returns emitted tokens ``[B, n]``, accept lengths
         ``[B]`` and rows ``{name: [B * n, W]}``, each request's accepted path at the front of its stride."""
         batch, n = tree.tokens.shape
@@ -573,7 +390,7 @@ class HFEngine:
             aux = aux.gather(1, path[:, :, None].expand(-1, -1, aux.shape[2]))
         return emitted, accept_lens, hidden, aux
 
-    def _retire(self, state: _State, emitted, accept_lens, sampling, collector, aux=None) -> tuple[_State, list]:
+    def _retire(self, state: BatchState, emitted, accept_lens, sampling, collector, aux=None) -> tuple[BatchState, list]:
         """Count the step's emitted tokens, finish requests that hit a stop token or max_new_tokens.
 
         Returns the state, whose finished rows now hold ``None`` as their request id (free rows),
@@ -593,7 +410,7 @@ class HFEngine:
             out.append((rids[i], collector.finish(rids[i], length, reason, speculative=self.draft_model is not None)))
             rids[i] = None
         a_max = int(accept_cpu.max())
-        state = _State(rids, state.target, state.draft, emitted[:, :a_max], accept_lens, n_out,
+        state = BatchState(rids, state.target, state.draft, emitted[:, :a_max], accept_lens, n_out,
                        None if aux is None else aux[:, :a_max])
         return state, out
 

@@ -389,3 +389,42 @@ def test_sglang_entry_point_checks_target_and_head_before_starting(built, saved_
                         engine="sglang", spec_algorithm="EAGLE3")
     with pytest.raises(HsxError, match=r"pip install 'hsx\[sglang\]'"):
         SGLangRunner(cfg)
+
+
+@pytest.mark.parametrize("prefill_chunk", [None, 4])
+def test_prefill_runs_no_head_lm_head_and_gives_the_same_output(built, prefill_chunk):
+    """The head's logits are computed when read: the prompt's never are (the prefill reads none), and the
+    run gives the bits of one where every head forward computes its logits at once."""
+    models, target, live = built
+    reqs = make_prompts(models, ["mixed", "follow", "miss"], [5, 11, 23], seed=4)
+    runs = {}
+    for eager in (False, True):
+        head = load_eagle3_head(live, target, torch.float32)
+        eng = HFEngine(target, groups_for(target), draft_model=head, spec=CHAIN, store_dtype=torch.float32,
+                       prefill_chunk=prefill_chunk)
+        calls, phase = [], []
+        head.lm_head.register_forward_hook(lambda m, a, out: calls.append((bool(phase), a[0].shape[1])))
+        if eager:  # what every head forward did before: logits at every position it ran
+            def read_logits(module, args, out):  # returns None: a hook's return value would replace the output
+                out.logits
+
+            head.register_forward_hook(read_logits)
+        start = eng._start
+
+        def in_prefill(*args, **kwargs):
+            phase.append(True)
+            try:
+                return start(*args, **kwargs)
+            finally:
+                phase.clear()
+
+        eng._start = in_prefill
+        runs[eager] = (eng.generate(reqs, SamplingSettings(max_new_tokens=9)), calls)
+    (lazy, lazy_calls), (eager, eager_calls) = runs[False], runs[True]
+    assert [q for p, q in eager_calls if p] and not [q for p, q in lazy_calls if p]  # prefill: lm_head before, now none
+    assert [q for p, q in lazy_calls if not p] == [q for p, q in eager_calls if not p]  # drafting reads the same ones
+    for a, b in zip(lazy, eager):
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.accept_lens, b.accept_lens)
+        for name in a.hidden:
+            assert torch.equal(a.hidden[name], b.hidden[name]), name
+    check_oracle(target, lazy[2], groups_for(target))

@@ -80,8 +80,23 @@ def _rotate_half(x):
 
 
 class _Out:
-    def __init__(self, logits, hidden):
-        self.logits, self.hidden = logits, hidden
+    """A head forward's result: ``hidden`` at once, ``logits`` computed on first read, so a forward whose
+    logits nobody reads (the prompt's, in prefill) never runs lm_head over its positions."""
+
+    def __init__(self, head: "Eagle3Head", normed: torch.Tensor, hidden: torch.Tensor):
+        self._head, self._normed, self.hidden = head, normed, hidden
+        self._logits = None
+        # the forward's autograd modes, for lm_head run later (an inference tensor cannot enter a graph)
+        self._modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+
+    @property
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            grad, inference = self._modes
+            with torch.set_grad_enabled(grad), torch.inference_mode(inference):
+                self._logits = self._head.target_logits(self._normed)
+            self._normed = None
+        return self._logits
 
 
 class Eagle3Head(nn.Module):
@@ -142,7 +157,8 @@ class Eagle3Head(nn.Module):
                 draft_hidden=None):
         """``input_ids [B, q]`` with ``draft_hidden [B, q, W]``: aux states (W = K * target width, through fc) or
         the head's own outputs (W = H). Returns logits over the target vocabulary (tokens outside the
-        draft vocabulary at -inf) and the pre-norm outputs that feed the next step."""
+        draft vocabulary at -inf; lm_head runs when they are first read) and the pre-norm outputs that
+        feed the next step."""
         hidden = draft_hidden
         if hidden is None:
             raise HsxError("an EAGLE3 head drafts from hidden states; none were given")
@@ -169,10 +185,15 @@ class Eagle3Head(nn.Module):
         m = self.post_attention_layernorm(r)
         out = self.down_proj(torch.nn.functional.silu(self.gate_proj(m)) * self.up_proj(m)) + r
         normed = self.norm(out)
+        return _Out(self, normed, normed if self.norm_output else out)
+
+    def target_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """``[B, q, target vocab]`` logits of the final norm's output ``normed [B, q, H]``: the draft
+        vocabulary's through lm_head, every other token at -inf."""
         draft_logits = self.lm_head(normed)
-        logits = draft_logits.new_full((B, q, self.target_vocab), float("-inf"))
+        logits = draft_logits.new_full((*normed.shape[:2], self.target_vocab), float("-inf"))
         logits[..., self.hot] = draft_logits
-        return _Out(logits, normed if self.norm_output else out)
+        return logits
 
 
 def _check_config(path: Path, config: dict, tcfg) -> None:

@@ -1,15 +1,17 @@
 """The independent reference: a plain teacher-forced forward of the shards' model over the stored tokens.
 
-It shares no code with the engines' decoding paths: no cache, no 4-D masks, no draft tree, no
-row collection. One right-padded batch per call, positions ``0..N-1`` per sample (right padding
-never shifts the real tokens' positions, and causal attention never lets them see the padding).
+It shares no code with the engines' decoding paths: no 4-D masks, no draft tree, no row
+collection, no capture hooks of theirs. One right-padded batch per call, positions ``0..N-1`` per
+sample (right padding never shifts the real tokens' positions, and causal attention never lets
+them see the padding), with no cache; or one long sequence a chunk of tokens at a time through
+transformers' own ``DynamicCache`` and causal mask (:meth:`Reference.chunks`).
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -92,16 +94,40 @@ class Reference:
         boundary L (the last block's output before the norm) is the final norm's input, taken with
         a pre-hook. Positions past a sequence's end hold padding states: callers mask them.
         """
-        num_layers = self.shape.num_layers
         lengths = torch.tensor([t.numel() for t in input_ids])
         width = int(lengths.max())
         ids = torch.zeros(len(input_ids), width, dtype=torch.long)
         for i, t in enumerate(input_ids):
             ids[i, : t.numel()] = t.reshape(-1).long()
         mask = (torch.arange(width)[None, :] < lengths[:, None]).long()  # [B, T]
+        self._check_ids(ids)
+        return self._forward(sources, input_ids=ids.to(self.device), attention_mask=mask.to(self.device))
+
+    def chunks(self, input_ids: torch.Tensor, sources: Sequence[int | str], size: int
+               ) -> Iterator[tuple[int, int, dict]]:
+        """One sequence ``input_ids [N]`` ``size`` tokens at a time: ``(start, stop, {source: [1, q, H]
+        float32})`` for positions ``start..stop-1``, each chunk one forward at those positions that sees
+        the chunks before it through transformers' ``DynamicCache`` (keys and values, no states).
+        Only one chunk's states exist at a time, unless the caller keeps them."""
+        from transformers import DynamicCache
+
+        ids = input_ids.reshape(-1).long()
+        self._check_ids(ids)
+        cache = DynamicCache(config=self.model.config)
+        for start in range(0, ids.numel(), size):
+            stop = min(start + size, ids.numel())
+            positions = torch.arange(start, stop, device=self.device)[None]  # [1, q]
+            yield start, stop, self._forward(sources, input_ids=ids[None, start:stop].to(self.device),
+                                             position_ids=positions, cache=cache, use_cache=True)
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
         vocab = self.model.config.get_text_config().vocab_size
-        if int(ids.max()) >= vocab or int(ids.min()) < 0:
+        if ids.numel() and (int(ids.max()) >= vocab or int(ids.min()) < 0):
             raise HsxError(f"stored token ids outside 0..{vocab - 1}: these shards were not made with this model")
+
+    def _forward(self, sources: Sequence[int | str], **inputs) -> dict:
+        """One forward of the decoder with ``inputs``; the states of ``sources`` for its tokens, float32."""
+        num_layers = self.shape.num_layers
         box = {}
 
         def keep_input(module, args):  # returns None: a pre-hook's return value would replace the input
@@ -111,7 +137,7 @@ class Reference:
         handle = base.norm.register_forward_pre_hook(keep_input)
         try:
             with torch.inference_mode():
-                out = base(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), output_hidden_states=True)
+                out = base(**inputs, output_hidden_states=True)
         finally:
             handle.remove()
         hs = out.hidden_states

@@ -127,6 +127,8 @@ class RecomputeReport:
     tokens: int = 0  # tokens run through the recompute
     seconds: float = 0.0  # the whole check, model loading included
     load_seconds: float = 0.0
+    chunk: int | None = None  # samples longer than this many tokens were checked this many at a time
+    chunked_samples: int = 0  # how many samples that was
 
     @property
     def ok(self) -> bool:
@@ -157,9 +159,31 @@ class RecomputeReport:
         return {**d, "ok": self.ok, "rows_per_s": self.rows_per_s, "check_rows_per_s": self.check_rows_per_s}
 
 
-def findings_of(check: SegmentCheck, i: int, sample_ids: list[str], column: str, source, labels: list[str],
-                tol: Tolerance, limit: int = 20) -> list[Finding]:
-    """Sample ``i``'s faulty rows in ``check`` as runs of one diagnosis (at most ``limit`` runs)."""
+@dataclass
+class Run:
+    """Consecutive faulty rows of one sample and column source with one diagnosis, before it is put in
+    words: what :func:`describe` needs, so that runs found in consecutive chunks of a long sample can be
+    joined first (:func:`join_runs`)."""
+
+    kind: int  # code into compare.KINDS
+    sample: int  # batch index of the sample the rows match (-1: none)
+    offset: int  # matched position - own position
+    source: int  # index into the labels of the check's sources (-1: none)
+    first: int  # first and last position of the run
+    last: int
+    rows: int
+    worst_rel: float
+    worst_cos: float
+    closest: str  # the nearest state of the run's first row, in words
+
+    def key(self) -> tuple:
+        return self.kind, self.sample, self.offset, self.source
+
+
+def runs_of(check: SegmentCheck, i: int, sample_ids: list[str], labels: list[str], start: int = 0,
+            limit: int = 20) -> list[Run]:
+    """Sample ``i``'s faulty rows in ``check`` as runs of one diagnosis (the first ``limit``); ``start`` is the
+    token position of the check's column 0 (a chunk of a long sample), added to every position."""
     bad = (check.kind[i] != 0).nonzero()[:, 0]  # [F] positions, ascending
     if not bad.numel():
         return []
@@ -172,27 +196,50 @@ def findings_of(check: SegmentCheck, i: int, sample_ids: list[str], column: str,
     new_run[1:] = (bad[1:] != bad[:-1] + 1) | (key[1:] != key[:-1]).any(1)
     starts = new_run.nonzero()[:, 0].tolist() + [bad.numel()]
     out = []
-    for a, b in zip(starts[:-1], starts[1:]):
-        run = slice(a, b)
-        k, j, d, s = key[a].tolist()
-        first, last = int(bad[a]), int(bad[b - 1])
-        worst = float(check.rel[i, bad[run]].nan_to_num(nan=float("inf")).max())
-        closest = _closest(check, i, int(bad[a]), sample_ids, labels)
-        matched, text = _describe(k, j, d, labels[s] if s >= 0 else "", first, last, i, sample_ids, worst,
-                                  float(check.cos[i, bad[run]].nan_to_num(nan=-1.0).min()), tol, closest)
-        where = f"sample {sample_ids[i]!r}, column {column!r} source {source}"
-        out.append(Finding(sample_ids[i], column, source, first, last, b - a, KINDS[k], matched, worst, f"{where}: {text}"))
-        if len(out) == limit:
-            break
+    for a, b in zip(starts[:limit], starts[1:]):
+        rows = bad[a:b]
+        worst = float(check.rel[i, rows].nan_to_num(nan=float("inf")).max())
+        cos = float(check.cos[i, rows].nan_to_num(nan=-1.0).min())
+        out.append(Run(*key[a].tolist(), int(bad[a]) + start, int(bad[b - 1]) + start, b - a, worst, cos,
+                       _closest(check, i, int(bad[a]), sample_ids, labels, start)))
     return out
 
 
-def _closest(check: SegmentCheck, i: int, p: int, sample_ids: list[str], labels: list[str]) -> str:
+def join_runs(runs: list[Run], new: list[Run], limit: int = 20) -> None:
+    """Append ``new`` (found after ``runs``, further along the sample) to ``runs`` in place: a run that
+    continues the last one (the next position, the same diagnosis) extends it; at most ``limit`` runs."""
+    for r in new:
+        last = runs[-1] if runs else None
+        if last is not None and r.key() == last.key() and r.first == last.last + 1:
+            last.last, last.rows = r.last, last.rows + r.rows
+            last.worst_rel, last.worst_cos = max(last.worst_rel, r.worst_rel), min(last.worst_cos, r.worst_cos)
+        elif len(runs) < limit:
+            runs.append(r)
+
+
+def describe(run: Run, i: int, sample_ids: list[str], column: str, source, labels: list[str],
+             tol: Tolerance) -> Finding:
+    label = labels[run.source] if run.source >= 0 else ""
+    matched, text = _describe(run.kind, run.sample, run.offset, label, run.first, run.last, i, sample_ids,
+                              run.worst_rel, run.worst_cos, tol, run.closest)
+    where = f"sample {sample_ids[i]!r}, column {column!r} source {source}"
+    return Finding(sample_ids[i], column, source, run.first, run.last, run.rows, KINDS[run.kind], matched,
+                   run.worst_rel, f"{where}: {text}")
+
+
+def findings_of(check: SegmentCheck, i: int, sample_ids: list[str], column: str, source, labels: list[str],
+                tol: Tolerance, limit: int = 20) -> list[Finding]:
+    """Sample ``i``'s faulty rows in ``check`` as runs of one diagnosis (at most ``limit`` runs)."""
+    runs = runs_of(check, i, sample_ids, labels, limit=limit)
+    return [describe(r, i, sample_ids, column, source, labels, tol) for r in runs]
+
+
+def _closest(check: SegmentCheck, i: int, p: int, sample_ids: list[str], labels: list[str], start: int = 0) -> str:
     j, q, s = int(check.match_sample[i, p]), int(check.match_position[i, p]), int(check.match_source[i, p])
     if j < 0 or check.match_rel[i, p] == float("inf"):
         return "nothing told apart from its own state"
     who = "this sample" if j == i else f"sample {sample_ids[j]!r}"
-    return f"{labels[s]} at position {q} of {who} (relative error {float(check.match_rel[i, p]):.3g})"
+    return f"{labels[s]} at position {q + start} of {who} (relative error {float(check.match_rel[i, p]):.3g})"
 
 
 def _span(first: int, last: int) -> str:

@@ -8,7 +8,7 @@ that want the same verdicts without writing shards.
 from __future__ import annotations
 
 import time
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -16,30 +16,28 @@ from tqdm.auto import tqdm
 
 from hsx.align import LayerGroup
 from hsx.errors import HsxError
+from hsx.recompute import rows as R
+from hsx.recompute.chunked import check_in_chunks
 from hsx.recompute.compare import Tolerance, check_segment
 from hsx.recompute.reference import Reference, config_matches, neighbour_sources
-from hsx.recompute.results import Finding, RecomputeReport, SampleResult, SourceResult, findings_of, source_label
+from hsx.recompute.results import RecomputeReport, SampleResult, SourceResult, findings_of, source_label
 from hsx.recompute.tolerance import tolerance_for
 
-EXPECTED_ROWS = {"generate": lambda n: max(n - 1, 0), "prefill": lambda n: n}
+# samples longer than this many tokens are checked this many at a time, unless told otherwise
+AUTO_CHUNK = 2048
 
 
-def _hidden(sample, name: str) -> torch.Tensor:
-    h = sample.hidden
-    return h[name] if isinstance(h, Mapping) else h(name)
-
-
-def _sample_id(sample, index: int) -> str:
-    return str(getattr(sample, "sample_id", None) or f"#{index}")
-
-
-def _positions(sample, mode: str) -> torch.Tensor:
-    """Token positions of a sample's stored rows, in row order: a shard sample's own (its ``--keep``
-    rule), else every position the mode covers."""
-    pos = getattr(sample, "positions", None)
-    if pos is not None:
-        return torch.as_tensor(pos).long()
-    return torch.arange(EXPECTED_ROWS[mode](torch.as_tensor(sample.input_ids).numel()))
+def resolve_chunk(chunk: int | str | None) -> int | None:
+    """``"auto"`` -> :data:`AUTO_CHUNK`; ``None`` or ``"off"`` -> None (every sample in one forward); N >= 1 -> N."""
+    if chunk == "auto":
+        return AUTO_CHUNK
+    if chunk is None or chunk == "off":
+        return None
+    if isinstance(chunk, str) and chunk.strip().isdigit():
+        chunk = int(chunk)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise HsxError(f"the recompute chunk must be auto, off or a number of tokens >= 1, got {chunk!r}")
+    return chunk
 
 
 def _stored_block(samples, placed: list[torch.Tensor], name: str, width: int, length: int,
@@ -49,7 +47,7 @@ def _stored_block(samples, placed: list[torch.Tensor], name: str, width: int, le
     block = torch.zeros(len(samples), length, width, device=device)
     valid = torch.zeros(len(samples), length, dtype=torch.bool, device=device)
     for i, (s, pos) in enumerate(zip(samples, placed)):
-        rows = _hidden(s, name)[: len(pos)]  # rows beyond the positions have no state to compare with
+        rows = R.hidden(s, name)[: len(pos)]  # rows beyond the positions have no state to compare with
         at = pos[: rows.shape[0]].to(device)
         block[i, at] = rows.to(device=device, dtype=torch.float32)
         valid[i, at] = True
@@ -63,35 +61,55 @@ def check_samples(
     tol: Tolerance,
     mode: str = "generate",
     sources: dict[tuple[str, int | str], SourceResult] | None = None,
+    chunk: int | None = None,
 ) -> list[SampleResult]:
     """Check one batch of samples (each with ``input_ids [N]`` and hidden rows per column).
 
     A shard ``Sample``'s rows are checked at its ``positions`` (what ``--keep`` stored); other samples'
-    row j is position j, every position ``mode`` covers.
+    row j is position j, every position ``mode`` covers. A sample longer than ``chunk`` tokens is
+    checked alone, ``chunk`` tokens at a time (:mod:`hsx.recompute.chunked`); the others in one batched
+    forward (all of them when ``chunk`` is None).
 
     ``sources``, when given, accumulates per-column-source statistics across calls.
     """
     ref = reference if isinstance(reference, Reference) else Reference.wrap(reference)
+    unit = ref.shape.unit_width
+    for g in groups:
+        if g.width != unit * len(g.sources):
+            raise HsxError(f"column {g.name!r} is {g.width} wide for {len(g.sources)} source(s); the model's states "
+                           f"are {unit} wide")
+    long = [chunk is not None and R.token_ids(s).numel() > chunk for s in samples]
+    short = [k for k, is_long in enumerate(long) if not is_long]
+    results: list[SampleResult | None] = [None] * len(samples)
+    if short:
+        checked = _check_batch(ref, [samples[k] for k in short], [R.sample_id(samples[k], k) for k in short], groups,
+                               tol, mode, sources)
+        for k, r in zip(short, checked):
+            results[k] = r
+    for k, is_long in enumerate(long):
+        if is_long:
+            results[k] = check_in_chunks(ref, samples[k], k, groups, tol, mode, chunk, sources)
+    return results
+
+
+def _check_batch(ref: Reference, samples: Sequence, sample_ids: list[str], groups: Sequence[LayerGroup],
+                 tol: Tolerance, mode: str, sources: dict | None) -> list[SampleResult]:
+    """Check samples in one right-padded forward over all of them."""
     num_layers, unit = ref.shape.num_layers, ref.shape.unit_width
-    ids = [torch.as_tensor(s.input_ids).reshape(-1).long() for s in samples]
-    sample_ids = [_sample_id(s, k) for k, s in enumerate(samples)]
+    ids = [R.token_ids(s) for s in samples]
     n_tokens = torch.tensor([t.numel() for t in ids])
     length = int(n_tokens.max())
     wanted = [src for g in groups for src in (*g.sources, *neighbour_sources(g.sources, num_layers))]
     states = ref.states(ids, wanted)
     results = [SampleResult(sid, 0) for sid in sample_ids]
-    placed = [_positions(s, mode) for s in samples]
+    placed = [R.positions(s, mode) for s in samples]
     for i, s in enumerate(samples):
-        got, want = _hidden(s, groups[0].name).shape[0] if groups else 0, len(placed[i])
+        got, want = R.num_rows(s, groups[0].name) if groups else 0, len(placed[i])
         results[i].rows = min(got, want)
-        if got != want:
-            results[i].findings.append(Finding(sample_ids[i], groups[0].name, "", 0, max(got, want) - 1, abs(got - want),
-                                               "count", "", float("inf"), f"sample {sample_ids[i]!r}: {got} rows for "
-                                               f"{int(n_tokens[i])} tokens, {mode} mode and the keep rule give {want}"))
+        count = R.count_finding(sample_ids[i], groups[0].name, got, want, int(n_tokens[i]), mode) if groups else None
+        if count is not None:
+            results[i].findings.append(count)
     for g in groups:
-        if g.width != unit * len(g.sources):
-            raise HsxError(f"column {g.name!r} is {g.width} wide for {len(g.sources)} source(s); the model's states "
-                           f"are {unit} wide")
         block, valid = _stored_block(samples, placed, g.name, g.width, length, ref.device)
         for k, src in enumerate(g.sources):
             alts = neighbour_sources([src], num_layers)
@@ -155,16 +173,20 @@ def recompute(
     force: bool = False,
     trust_remote_code: bool = False,
     progress: bool = True,
+    chunk: int | str | None = "auto",
 ) -> RecomputeReport:
     """Re-run a teacher-forced forward of the shards' model over their tokens and check every stored row.
 
     ``model`` points at another copy of the model (its config must match unless ``force``);
     ``samples`` checks that many, chosen with ``seed``; batches follow storage order, so rows
-    swapped between neighbouring samples are caught with the sample they belong to.
+    swapped between neighbouring samples are caught with the sample they belong to. ``chunk``: samples
+    longer than this many tokens are checked alone, this many tokens at a time, their memory bounded
+    by the chunk (``"auto"``: :data:`AUTO_CHUNK`; ``None`` or ``"off"``: every sample in one forward).
     """
     import hsx
 
     t0 = time.perf_counter()
+    chunk = resolve_chunk(chunk)
     ds = hsx.open(path)
     meta = ds.metadata
     groups = [LayerGroup.from_description(g) for g in meta["layers"]]
@@ -173,15 +195,17 @@ def recompute(
     engine_dtype = (meta.get("engine") or {}).get("compute_dtype")
     tol = tolerance_for(meta["dtype"], engine_dtype, compute, rtol)
     report = RecomputeReport(str(path), model_path, str(ref.device), compute, meta["dtype"], engine_dtype,
-                             tol.describe(), len(ds), load_seconds=time.perf_counter() - t0)
+                             tol.describe(), len(ds), load_seconds=time.perf_counter() - t0, chunk=chunk)
     chosen = _select(len(ds), samples, seed)
     stats: dict = {}
     bar = tqdm(total=len(chosen), unit="sample", disable=not progress, dynamic_ncols=True, desc="recompute")
     for start in range(0, len(chosen), max(1, batch_size)):
         batch = [ds[int(k)] for k in chosen[start:start + batch_size]]
-        results = check_samples(ref, batch, groups, tol, meta["mode"], stats)
+        results = check_samples(ref, batch, groups, tol, meta["mode"], stats, chunk)
         report.samples += results
-        report.tokens += sum(len(s.input_ids) for s in batch)
+        lengths = [len(s.input_ids) for s in batch]
+        report.tokens += sum(lengths)
+        report.chunked_samples += sum(chunk is not None and n > chunk for n in lengths)
         bar.update(len(batch))
         bar.set_postfix(bad=sum(1 for r in report.samples if r.findings), refresh=False)
     bar.close()

@@ -75,6 +75,7 @@ def verify(
     samples: Annotated[Optional[int], _opt("--recompute: check only N samples, chosen reproducibly with --seed.")] = None,
     seed: Annotated[int, _opt("--recompute: seed for --samples.")] = 0,
     batch_size: Annotated[int, _opt("--recompute: samples per forward (default 8).")] = 8,
+    recompute_chunk: Annotated[str, _opt("--recompute: a sample longer than N tokens is checked alone, N tokens at a time through a KV cache, its memory bounded by N: auto (N = 2048), off (every sample in one forward) or N.")] = "auto",
     rtol: Annotated[Optional[float], _opt("--recompute: per-row relative error limit (default: by stored and compute dtypes, see docs/RECOMPUTE.md).")] = None,
     trust_remote_code: Annotated[bool, _opt("--recompute: allow the model repository to run its own code.", "--trust-remote-code")] = False,
     quiet: Quiet = False,
@@ -106,7 +107,7 @@ def verify(
                 model_config(recorded, "the shards' model (another copy: --model)", tokenizer=False)
         checked = run_recompute(path, model=model, device=device, dtype=model_dtype, samples=samples, seed=seed,
                                 batch_size=batch_size, rtol=rtol, force=force, trust_remote_code=trust_remote_code,
-                                progress=not quiet and not as_json)
+                                progress=not quiet and not as_json, chunk=recompute_chunk)
     if as_json:
         out = {**dataclasses.asdict(report), "ok": report.ok}
         if recompute:
@@ -163,7 +164,7 @@ def extract(
     dataset: Annotated[str, _opt("A local json/jsonl/parquet/csv file, a saved dataset directory, or a hub name; or dataset in --config.")],
     output: Annotated[str, _opt("Output directory for shards and manifest; or output in --config.", "--output", "-o")],
     draft_model: Annotated[Optional[str], _opt("Draft model for speculative decoding, named as --model (shares its tokenizer).")] = None,
-    engine: Annotated[str, _cfg("Engine: hf (transformers, CPU or GPU) or sglang.")] = _D.engine,
+    engine: Annotated[str, _cfg("Engine: hf (transformers, CPU or GPU), sglang or vllm.")] = _D.engine,
     mode: Annotated[str, _cfg("generate: prompt + completion; prefill: teacher-forced over whole conversations.")] = _D.mode,
     layers: Annotated[str, _cfg("Comma-separated layer groups: final, eagle3, boundary numbers (0 = embeddings, L = last block before the norm).")] = _D.layers,
     keep: Annotated[str, _cfg("Positions that get rows: all, completion (rows that produced the completion), loss (rows predicting a loss_mask token), last (one row per sample).")] = _D.keep,
@@ -184,7 +185,7 @@ def extract(
     spec_num_steps: Annotated[Optional[int], _opt("Draft depth per verify step (default 3).")] = None,
     spec_topk: Annotated[Optional[int], _opt("Draft branching: 1 = chain, >1 = tree (default 1).")] = None,
     spec_num_draft_tokens: Annotated[Optional[int], _opt("Verify stride, root included (default num_steps + 1 for chains).")] = None,
-    spec_algorithm: Annotated[Optional[str], _opt("--engine sglang: EAGLE or EAGLE3 (NGRAM, STANDALONE, DFLASH are refused).")] = None,
+    spec_algorithm: Annotated[Optional[str], _opt("--engine sglang: EAGLE or EAGLE3 (NGRAM, STANDALONE, DFLASH are refused); --engine vllm: EAGLE, EAGLE3 or NGRAM.")] = None,
     sglang_capture: Annotated[str, _cfg("--engine sglang: tensors (hsx's capture in SGLang's scheduler) or lists (SGLang's return_hidden_states float lists, slower, one column).")] = _D.sglang_capture,
     eagle3_layer_ids: Annotated[Optional[str], _opt("EAGLE3 aux layer ids as a draft config gives them, e.g. 1,15,28 (default: the draft config's, else SGLang's [2, L//2, L-3] boundaries).")] = None,
     device: Annotated[str, _cfg("auto, cpu, cuda or cuda:N.")] = _D.device,
@@ -198,7 +199,7 @@ def extract(
     dp_size: Annotated[Optional[int], _opt("--engine sglang: data-parallel size (dp_size).")] = None,
     mem_fraction: Annotated[Optional[float], _opt("--engine sglang: GPU memory fraction for weights and KV cache (mem_fraction_static).")] = None,
     attention_backend: Annotated[Optional[str], _opt("--engine sglang: attention backend (attention_backend).")] = None,
-    engine_arg: Annotated[Optional[list[str]], _opt("--engine sglang: any other sglang.Engine argument, KEY=VALUE (VALUE parsed as JSON when it can be); repeatable.")] = None,
+    engine_arg: Annotated[Optional[list[str]], _opt("--engine sglang or vllm: any other sglang.Engine or vllm.LLM argument, KEY=VALUE (VALUE parsed as JSON when it can be); repeatable.")] = None,
     ray: Annotated[Optional[bool], _opt("Run one engine per Ray worker (needs hsx[ray]); the output must be on a filesystem every node shares.", "--ray")] = None,
     ray_address: Annotated[Optional[str], _opt("--ray: the cluster to join (auto or HOST:PORT; local: a new local instance); default RAY_ADDRESS, else the cluster `ray start` made on this machine, else a new local one.")] = None,
     num_workers: Annotated[Optional[int], _opt("--ray: workers, one engine each (default: the cluster's GPUs / --gpus-per-worker).")] = None,

@@ -31,7 +31,7 @@ class ExtractConfig:
     # what to run
     model: str = ""
     draft_model: str | None = None
-    engine: Literal["hf", "sglang"] = "hf"
+    engine: Literal["hf", "sglang", "vllm"] = "hf"
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     model_dtype: str = "auto"  # compute dtype: auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16
     trust_remote_code: bool = False
@@ -107,16 +107,16 @@ class ExtractConfig:
             raise HsxError(f"--window must be >= 1, got {self.window}")
         self._validate_prefill_chunk()
         check_rule(self.keep, self.mode)
-        if self.engine not in ("hf", "sglang"):
-            raise HsxError(f"--engine must be hf or sglang, got {self.engine!r}")
+        if self.engine not in ("hf", "sglang", "vllm"):
+            raise HsxError(f"--engine must be hf, sglang or vllm, got {self.engine!r}")
         if self.speculative and self.draft_model is None and self.engine == "hf":
             raise HsxError("--spec-* options need --draft-model with the hf engine")
-        if self.engine_args and self.engine != "sglang":
-            raise HsxError(f"engine_args {sorted(self.engine_args)} are sglang.Engine arguments; the hf engine takes none")
+        if self.engine_args and self.engine == "hf":
+            raise HsxError(f"engine_args {sorted(self.engine_args)} are sglang.Engine or vllm.LLM arguments; the hf engine takes none")
         if self.sglang_capture not in ("tensors", "lists"):
             raise HsxError(f"--sglang-capture must be tensors or lists, got {self.sglang_capture!r}")
-        if self.spec_algorithm is not None and self.engine != "sglang":
-            raise HsxError("--spec-algorithm names SGLang's algorithm (--engine sglang); the hf engine runs --draft-model")
+        if self.spec_algorithm is not None and self.engine == "hf":
+            raise HsxError("--spec-algorithm names SGLang's or vLLM's algorithm (--engine sglang or vllm); the hf engine runs --draft-model")
         if self.ray:
             self._validate_ray()
         elif self.ray_address is not None or self.num_workers is not None:

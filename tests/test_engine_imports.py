@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 ENGINE = Path(__file__).resolve().parents[1] / "hsx" / "engine"
-ENGINES = {"hf", "sglang", "stored"}  # the modules that run a model; ``loader`` is the one that picks among them
+ENGINES = {"hf", "sglang", "vllm", "stored"}  # the modules that run a model; ``loader`` is the one that picks among them
 
 
 def imports() -> dict[str, set[str]]:

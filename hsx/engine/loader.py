@@ -138,4 +138,8 @@ def _engine_of(cfg: ExtractConfig):
         from hsx.engine.sglang import SGLangRunner
 
         return SGLangRunner(cfg)
-    raise HsxError(f"unknown engine {cfg.engine!r}; expected hf or sglang")
+    if cfg.engine == "vllm":
+        from hsx.engine.vllm import VLLMRunner
+
+        return VLLMRunner(cfg)
+    raise HsxError(f"unknown engine {cfg.engine!r}; expected hf, sglang or vllm")

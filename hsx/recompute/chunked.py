@@ -65,8 +65,8 @@ class _Checker:
     def __init__(self, ref, sample, sid, groups, tol, placed, result, sources):
         self.ref, self.sample, self.sid, self.groups, self.tol = ref, sample, sid, groups, tol
         self.placed, self.result, self.sources = placed, result, sources
-        self.runs: dict[tuple[str, int | str], list] = {}  # (column, source) -> runs, in position order
-        self.labels: dict[tuple[str, int | str], list[str]] = {}
+        self.runs: dict[tuple[str, int, int | str], list] = {}  # (column, part, source) -> runs, in position order
+        self.labels: dict[int | str, list[str]] = {}
 
     def check(self, start: int, stop: int, states: dict, before: dict, after: dict) -> None:
         """Check the stored rows at positions ``start..stop-1`` against ``states`` (``[1, q, H]`` per source),
@@ -86,7 +86,7 @@ class _Checker:
             block[0, at] = R.hidden(self.sample, g.name, slice(r0, r1)).to(device=self.ref.device, dtype=torch.float32)
             for k, src in enumerate(g.sources):
                 alts = neighbour_sources([src], num_layers)
-                labels = self.labels.setdefault((g.name, src), [source_label(x, num_layers) for x in (src, *alts)])
+                labels = self.labels.setdefault(src, [source_label(x, num_layers) for x in (src, *alts)])
                 check = check_segment(block[:, :, k * unit:(k + 1) * unit], valid, own[src], [own[a] for a in alts],
                                       n_tokens, self.tol)
                 if self.sources is not None:
@@ -94,9 +94,9 @@ class _Checker:
                 r = self.result
                 r.worst_rel = max(r.worst_rel, float(check.rel.nan_to_num(nan=float("inf")).max()))
                 r.worst_cos = min(r.worst_cos, float(check.cos.nan_to_num(nan=-1.0).min()))
-                join_runs(self.runs.setdefault((g.name, src), []), runs_of(check, 0, [self.sid], labels, first))
+                join_runs(self.runs.setdefault((g.name, k, src), []), runs_of(check, 0, [self.sid], labels, first))
             del block
 
     def findings(self) -> list:
-        return [describe(run, 0, [self.sid], column, source, self.labels[(column, source)], self.tol)
-                for (column, source), runs in self.runs.items() for run in runs]
+        return [describe(run, 0, [self.sid], column, source, self.labels[source], self.tol)
+                for (column, _, source), runs in self.runs.items() for run in runs]

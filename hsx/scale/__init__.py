@@ -3,7 +3,8 @@
 :func:`extract_ray` runs one :class:`~hsx.scale.worker.ExtractWorker` per engine as a Ray
 actor; the driver (this process) cuts the dataset into deterministic units, commits each
 finished unit to the manifest exactly once and retries a unit whose worker died on another.
-:class:`~hsx.scale.stream.RaySource` feeds the online feed (:mod:`hsx.feed`) from such workers.
+:class:`~hsx.scale.stream.RaySource` feeds the online feed (:mod:`hsx.feed`) from such workers;
+:class:`~hsx.scale.ranks.RankSource` feeds one rank of a trainer whose ranks share one pool of them.
 Importing this package does not import Ray.
 """
 
@@ -23,4 +24,11 @@ def ray_source(cfg, ahead_units: int = 1):
     return RaySource(cfg, ahead_units)
 
 
-__all__ = ["extract_ray", "ray_source"]
+def rank_source(cfg, rank: int, world: int, ahead_units: int = 1, group=None, timeout: float = 1800.0):
+    """One rank's end of a pool of engine workers shared by ``world`` ranks: a :class:`hsx.scale.ranks.RankSource`."""
+    from hsx.scale.ranks import RankSource
+
+    return RankSource(cfg, rank, world, ahead_units, group, timeout)
+
+
+__all__ = ["extract_ray", "ray_source", "rank_source"]

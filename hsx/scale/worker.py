@@ -4,8 +4,9 @@ Plain Python (no Ray import): the driver wraps :class:`ExtractWorker` with ``ray
 unit is a list of ``(source index, row)`` pairs; the worker renders, batches and runs them
 exactly as the single-process path does (:func:`hsx.core.results`), writes its shards under names
 no other worker or attempt can produce, and returns their manifest entries. It never touches
-the manifest: the driver alone commits (and renames the shards to their visible names). For the online feed (:meth:`ExtractWorker.stream_unit`)
-it hands the unit's records back instead (:func:`encode_item`) and writes nothing.
+the manifest: the driver alone commits (and renames the shards to their visible names). For the online feed (:meth:`ExtractWorker.stream_unit`,
+:meth:`ExtractWorker.stream_unit_split`) it hands the unit's records back instead (:func:`encode_item`)
+and writes nothing.
 """
 
 from __future__ import annotations
@@ -103,3 +104,15 @@ class ExtractWorker:
             raise HsxError(self.error)
         return [encode_item(item) for item in results(self.engine, rows, self.renderer, self.cfg)
                 if not isinstance(item, Resumed)]
+
+    def stream_unit_split(self, rows: list) -> tuple:
+        """Run one unit for a feed shared by ranks (:mod:`hsx.scale.ranks`): ``(index, *items)``, the
+        unit's items as :meth:`stream_unit` gives them, each a return value of its own (called with
+        ``num_returns=len(rows) + 1``, so each travels as its own object to the one rank that takes
+        it), and ``index``, the ``(source_index, is_failure)`` of each, for the pool to share them out
+        without reading them."""
+        items = self.stream_unit(rows)
+        if len(items) != len(rows):
+            raise HsxError(f"a unit of {len(rows)} rows gave {len(items)} records and failures; every row gives one")
+        index = [(d["failure"]["source_index"], True) if "failure" in d else (d["source_index"], False) for d in items]
+        return (index, *items)

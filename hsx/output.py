@@ -1,4 +1,8 @@
-"""The output directory of a run: start it afresh, resume it, or refuse it (another run's shards)."""
+"""The output directory of a run: start it afresh, resume it, or refuse it (another run's shards).
+
+``out`` is a :class:`pathlib.Path` or, for an object store, an :class:`hsx.shards.store.ObjectPath`
+(:func:`hsx.shards.store.as_path`): the same code runs on both.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from pathlib import Path
 
 from hsx.config import ExtractConfig
 from hsx.errors import HsxError
+from hsx.shards.lease import LEASE
 from hsx.shards.lock import LOCK
 from hsx.shards.manifest import (CONFIG, LEGACY_CONFIG, LEGACY_MANIFEST, MANIFEST, Manifest, atomic_write_bytes,
                                  load_manifest, manifest_path, save_manifest)
@@ -63,7 +68,7 @@ def prepare_output(out: Path, cfg: ExtractConfig, overwrite: bool) -> Manifest |
         if not overwrite and m.shards:
             raise config_refusal(out, m, cfg)
         overwrite = True
-    elif out.exists() and any(p.name != LOCK for p in out.iterdir()) and not overwrite:
+    elif out.exists() and any(p.name not in (LOCK, LEASE) for p in out.iterdir()) and not overwrite:
         raise HsxError(f"{out} exists, is not empty and has no {MANIFEST}; refusing to write into it (use --overwrite)")
     if overwrite and out.exists():
         for p in out.iterdir():

@@ -13,7 +13,8 @@ from hsx.output import check_resume, differences, open_manifest, prepare_output
 from hsx.preflight import check_extract
 from hsx.report import libraries_quiet
 from hsx.shards.background import BackgroundSink
-from hsx.shards.lock import OutputLock
+from hsx.shards.lock import output_lock
+from hsx.shards.store import as_path
 
 __all__ = ["RunSummary", "check_resume", "differences", "extract", "make_renderer"]
 
@@ -22,7 +23,8 @@ def extract(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool = Tru
             verbose: bool = False) -> RunSummary:
     """Run an extraction described by ``cfg``; resumes an interrupted run into the same output.
 
-    The output directory is locked for the whole run (:class:`~hsx.shards.lock.OutputLock`).
+    The output is locked for the whole run (:class:`~hsx.shards.lock.OutputLock`, or a
+    :class:`~hsx.shards.lease.Lease` in an object store).
     With ``cfg.ray`` the work is spread over Ray workers (:mod:`hsx.scale`). ``checked``: the caller
     has run :func:`hsx.preflight.check_extract` on ``cfg`` already. The libraries' own loading bars
     and info lines are hidden during the run, as the CLI hides them, unless ``verbose``.
@@ -39,8 +41,8 @@ def _extract(cfg: ExtractConfig, overwrite: bool, progress: bool, checked: bool)
         from hsx.scale import extract_ray
 
         return extract_ray(cfg, overwrite=overwrite, progress=progress)
-    out = Path(cfg.output)
-    with OutputLock(out):
+    out = as_path(cfg.output)  # a local directory or a prefix in an object store
+    with output_lock(out):
         return _extract_here(cfg, out, overwrite, progress)
 
 
@@ -73,5 +75,5 @@ def _extract_here(cfg: ExtractConfig, out: Path, overwrite: bool, progress: bool
     bar.close()
     summary.writer_blocked_s, summary.writer_busy_s = sink.stats.blocked_s, sink.stats.busy_s
     summary.seconds = time.perf_counter() - t0
-    summary.bytes = sum((out / s.file).stat().st_size for s in manifest.shards)
+    summary.bytes = sum(s.bytes for s in manifest.shards)
     return summary

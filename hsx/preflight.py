@@ -36,6 +36,7 @@ from hsx.errors import HsxError
 from hsx.output import config_refusal
 from hsx.shards.lock import unwritable
 from hsx.shards.manifest import load_manifest, manifest_path
+from hsx.shards.store import is_remote
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
@@ -269,6 +270,8 @@ def _saved_columns(path: Path, source: str, split: str) -> list[str] | None:
 def check_output(cfg: ExtractConfig, overwrite: bool) -> None:
     """An output this process cannot write into, or holding another run's shards, is refused here as
     the run itself would refuse it."""
+    if is_remote(cfg.output):  # an object store is checked when the run takes its lease
+        return
     out = Path(cfg.output)
     check_writable(out)
     if overwrite or not manifest_path(out).is_file():

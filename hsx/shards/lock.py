@@ -133,3 +133,15 @@ class OutputLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def output_lock(directory):
+    """The one-writer guard of an output: this ``flock`` for a local directory, a lease
+    (:class:`hsx.shards.lease.Lease`) for a prefix in an object store."""
+    from hsx.shards.store import as_path, is_remote
+
+    if is_remote(directory):
+        from hsx.shards.lease import Lease
+
+        return Lease(as_path(directory))
+    return OutputLock(directory)

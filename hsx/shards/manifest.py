@@ -7,6 +7,11 @@ are hidden files too (``.hsx-manifest.json``, ``.hsx-config.json``): pandas, pya
 skip names starting with a dot. Files the manifest does not name (an attempt that never
 committed, a crashed write) are ignored by readers, listed by ``hsx verify`` and overwritten by a
 resumed run. Directories written before format 4 have ``manifest.json`` and ``config.json``.
+
+In an object store (``s3://bucket/prefix``, :mod:`hsx.shards.store`) the same names are keys under
+the prefix: a shard is uploaded under its staging name, the manifest is saved with a conditional put
+(the commit; it fails if another writer changed the manifest since this run read it), and the shard
+is then copied to its visible name and the staged copy deleted.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pathlib import Path
 import xxhash
 
 from hsx.errors import ShardError
+from hsx.shards.store import as_path, is_remote
 
 MANIFEST = ".hsx-manifest.json"
 CONFIG = ".hsx-config.json"  # the resolved run configuration, written beside the manifest
@@ -68,8 +74,11 @@ class Manifest:
 
 def manifest_path(directory: Path) -> Path:
     """The directory's manifest: ``.hsx-manifest.json``, or ``manifest.json`` in an output written before format 4."""
-    path = Path(directory) / MANIFEST
-    legacy = Path(directory) / LEGACY_MANIFEST
+    directory = as_path(directory)
+    path = directory / MANIFEST
+    if is_remote(directory):  # object-store outputs start at format 6: no legacy names
+        return path
+    legacy = directory / LEGACY_MANIFEST
     return legacy if not path.exists() and legacy.exists() else path
 
 
@@ -81,25 +90,34 @@ def staged_name(name: str) -> str:
 def shard_path(directory: Path, name: str) -> Path:
     """A committed shard's file: its visible name, or its staging name if a crash came between the
     manifest's save and the rename (its size and checksum are checked against the manifest all the same)."""
-    path = Path(directory) / name
-    staged = Path(directory) / staged_name(name)
+    path = as_path(directory) / name
+    staged = as_path(directory) / staged_name(name)
     return staged if not path.exists() and staged.exists() else path
 
 
 def publish(directory: Path, shards: list["ShardEntry"]) -> None:
-    """Rename committed shards still under their staging names to their visible names."""
+    """Rename committed shards still under their staging names to their visible names (in a store:
+    copy, then delete the staged object)."""
+    directory = as_path(directory)
+    if is_remote(directory):
+        if shards:
+            staged = {p.name for p in directory.iterdir(startswith=".")}  # one listing, not one request a shard
+            for s in shards:
+                if staged_name(s.file) in staged:
+                    (directory / staged_name(s.file)).replace(directory / s.file)
+        return
     moved = False
     for s in shards:
-        staged = Path(directory) / staged_name(s.file)
+        staged = directory / staged_name(s.file)
         if staged.exists():
-            os.replace(staged, Path(directory) / s.file)
+            os.replace(staged, directory / s.file)
             moved = True
     if moved:
-        fsync_dir(Path(directory))
+        fsync_dir(directory)
 
 
 def load_manifest(directory: str | Path) -> Manifest:
-    path = manifest_path(Path(directory))
+    path = manifest_path(directory)
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
@@ -121,7 +139,11 @@ def load_manifest(directory: str | Path) -> Manifest:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write via a temp file in the same directory, fsync, rename, fsync the directory."""
+    """Write via a temp file in the same directory, fsync, rename, fsync the directory (in a store: one put,
+    which is atomic)."""
+    if is_remote(path):
+        as_path(path).write_bytes(data)
+        return
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
@@ -141,8 +163,14 @@ def fsync_dir(directory: Path) -> None:
 
 
 def save_manifest(directory: str | Path, manifest: Manifest) -> None:
+    """Save the manifest: the commit. In a store, a put conditional on the manifest being as this
+    process last read or wrote it (see :meth:`hsx.shards.store.ObjectPath.commit_bytes`)."""
     data = json.dumps(manifest.to_json(), indent=1).encode()
-    atomic_write_bytes(manifest_path(Path(directory)), data)
+    path = manifest_path(directory)
+    if is_remote(path):
+        path.commit_bytes(data)
+    else:
+        atomic_write_bytes(path, data)
 
 
 def file_checksum(path: str | Path) -> str:

@@ -24,6 +24,7 @@ from hsx.shards import format as fmt
 from hsx.shards.manifest import ErrorRecord, ShardEntry, bytes_checksum, load_manifest, manifest_path, shard_path
 from hsx.shards import positions
 from hsx.shards.readonly import read_only
+from hsx.shards.store import as_path, open_input
 
 
 def _np_to_torch(a: np.ndarray) -> torch.Tensor:
@@ -111,7 +112,7 @@ class _Shard:
 def load_shard(path: Path, entry: ShardEntry | None) -> _Shard:
     """Read and check one shard file; any fault raises :class:`ShardError` naming the file."""
     try:
-        with pa.memory_map(str(path)) as f:
+        with open_input(path, pa.memory_map) as f:  # a local file, or an object in a store (hsx.shards.store)
             buf = f.read_buffer()
     except FileNotFoundError:
         raise ShardError(f"{path}: shard listed in the manifest is missing") from None
@@ -483,7 +484,7 @@ def _source_order(entries: list[ShardEntry]) -> np.ndarray | None:
 
 def open_shards(path: str | Path, cache_shards: int = 4) -> ShardDataset:
     """Open an hsx output directory (through its manifest) or a single shard file."""
-    path = Path(path)
+    path = as_path(path)  # a local path, or s3://bucket/prefix
     if path.is_dir():
         m = load_manifest(path)
         paths = [shard_path(path, s.file) for s in m.shards]

@@ -30,6 +30,7 @@ from hsx.shards import format as fmt
 from hsx.shards import positions
 from hsx.shards.manifest import (ErrorRecord, Manifest, ShardEntry, publish, save_manifest, staged_name,
                                  streamed_checksum)
+from hsx.shards.store import StoreError, as_path, is_remote, spool_file
 
 DEFAULT_LANES = min(4, os.cpu_count() or 1)  # BackgroundSink's lanes: the pipeline's parallel shard writers
 ROW_GROUP_BYTES = 64 << 20  # records' bytes per row group (with several lanes, per shard)
@@ -309,7 +310,7 @@ class ShardSink:
         names: Callable[[int], str] | None = None,
         persist: bool = True,
     ):
-        self.dir = Path(directory)
+        self.dir = as_path(directory)  # a local directory or a prefix in an object store (hsx.shards.store)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.manifest = manifest
         self.max_shard_bytes = max_shard_bytes
@@ -362,7 +363,9 @@ class ShardSink:
         if lane.writer is None:
             lane.name = self.names(self._next)
             self._next += 1
-            lane.writer = ShardWriter(self.dir / staged_name(lane.name), self.manifest.metadata, self.piece_bytes)
+            # in an object store the shard is encoded into a local spool file, uploaded when committed
+            lane.writer = ShardWriter(spool_file(self.dir / staged_name(lane.name)), self.manifest.metadata,
+                                      self.piece_bytes)
         records, nbytes = self._buffer, self._buffer_bytes
         self._buffer, self._buffer_bytes = [], 0
         lane.ids += [r.sample_id for r in records]
@@ -425,6 +428,12 @@ class ShardSink:
             yield
         except _WriteFailed as failed:
             error = failed.error
+            if isinstance(error, StoreError):
+                raise ShardError(
+                    f"{error}, while uploading shard {failed.shard}; {len(self.manifest.shards)} shard(s) committed "
+                    f"before it ({self.bytes_written:,} bytes by this run) stay committed. Run the same command again "
+                    "once the store answers to resume."
+                ) from error
             what = "the disk is full" if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else "a write failed"
             raise ShardError(
                 f"{self.dir}: {what} ({error.strerror or error}) while writing shard {failed.shard} ({failed.written:,} "
@@ -443,10 +452,14 @@ class ShardSink:
             stats = lane.writer.finalize()
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
+            checksum = streamed_checksum(tmp)
+            if is_remote(self.dir):  # the spooled file goes up under its staging name
+                (self.dir / staged_name(lane.name)).upload(tmp)
+                tmp.unlink()
         except OSError as e:
             self._fail(lane, e)
         self.manifest.shards.append(
-            ShardEntry(lane.name, stats.samples, stats.rows, stats.tokens, stats.bytes, streamed_checksum(tmp),
+            ShardEntry(lane.name, stats.samples, stats.rows, stats.tokens, stats.bytes, checksum,
                        list(lane.ids), list(lane.sources))
         )
         self.bytes_written += stats.bytes
@@ -459,8 +472,9 @@ class ShardSink:
             try:
                 save_manifest(self.dir, self.manifest)
             except OSError as e:
+                again = "once the store answers" if isinstance(e, StoreError) else "after freeing space"
                 raise ShardError(f"{self.dir}: could not save the manifest ({e.strerror or e}); the shards committed "
-                                 "by the last save stay committed. Free space and run the same command again.") from e
+                                 f"by the last save stay committed. Run the same command again {again}.") from e
             publish(self.dir, self.manifest.shards[self._published:])  # the ones this save committed
             self._published = len(self.manifest.shards)
 

@@ -75,7 +75,7 @@ def verify(
     samples: Annotated[Optional[int], _opt("--recompute: check only N samples, chosen reproducibly with --seed.")] = None,
     seed: Annotated[int, _opt("--recompute: seed for --samples.")] = 0,
     batch_size: Annotated[int, _opt("--recompute: samples per forward (default 8).")] = 8,
-    recompute_chunk: Annotated[str, _opt("--recompute: a sample longer than N tokens is checked alone, N tokens at a time through a KV cache, its memory bounded by N: auto (N = 2048), off (every sample in one forward) or N.")] = "auto",
+    recompute_chunk: Annotated[str, _opt("--recompute: a sample longer than N tokens is checked alone, N tokens at a time through a KV cache, its memory bounded by N: N, off (every sample in one forward) or auto (N = 2048, fewer above 16,384 tokens so that a chunk's attention mask stays within 2^25 entries, at least 256).")] = "auto",
     rtol: Annotated[Optional[float], _opt("--recompute: per-row relative error limit (default: by stored and compute dtypes, see docs/RECOMPUTE.md).")] = None,
     trust_remote_code: Annotated[bool, _opt("--recompute: allow the model repository to run its own code.", "--trust-remote-code")] = False,
     quiet: Quiet = False,

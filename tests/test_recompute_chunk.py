@@ -25,7 +25,7 @@ from hsx.config import ExtractConfig
 from hsx.demo.models import build_tiny_llama
 from hsx.demo.tokenizer import build_demo_tokenizer
 from hsx.pipeline import extract
-from hsx.recompute import AUTO_CHUNK, Reference, check_samples, recompute, tolerance_for
+from hsx.recompute import AUTO_CHUNK, Reference, check_samples, chunk_for, recompute, tolerance_for
 from hsx.recompute.chunked import HALO
 from hsx.shards import format as fmt
 from hsx.shards.reader import SampleColumns
@@ -80,7 +80,7 @@ def long_sample(path: Path):
     return hsx.open(path).select([LONG])[0]
 
 
-def chunk_for(path: Path, where: str) -> int:
+def chunk_at(path: Path, where: str) -> int:
     """A chunk size whose boundaries fall inside the long sample's prompt, at its end, in its completion, or
     before its last token."""
     s = long_sample(path)
@@ -124,7 +124,7 @@ def assert_same_verdicts(chunked, whole) -> None:
                          + [("prefill", w) for w in ("inside-prompt", "last-token", "tiny")])  # all prompt there
 def test_clean_outputs_pass_in_chunks_as_in_one_forward(run, mode, where, pieces):
     path = run[(mode, pieces)]
-    chunk = chunk_for(path, where)
+    chunk = chunk_at(path, where)
     chunked = recompute(path, chunk=chunk, progress=False)
     whole = recompute(path, chunk="off", progress=False)
     longer = sum(len(s.input_ids) > chunk for s in hsx.open(path))
@@ -145,9 +145,17 @@ def test_short_samples_keep_one_forward(run):
     path = run[("generate", False)]
     assert max(len(s.input_ids) for s in hsx.open(path)) <= AUTO_CHUNK
     auto, whole = recompute(path, progress=False), recompute(path, chunk="off", progress=False)
-    assert auto.chunk == AUTO_CHUNK and auto.chunked_samples == 0 and whole.chunk is None
+    assert auto.chunk == "auto" and auto.chunked_samples == 0 and whole.chunk is None
     assert [(s.sample_id, s.rows, s.worst_rel, s.worst_cos) for s in auto.samples] == \
            [(s.sample_id, s.rows, s.worst_rel, s.worst_cos) for s in whole.samples]
+
+
+def test_automatic_chunk_sizes():
+    """auto: samples of up to 2048 tokens in their batch's forward, longer ones in chunks of 2048, fewer
+    from 16K tokens on (a chunk's [chunk, tokens] attention mask within 2^25 entries), never below 256."""
+    assert [chunk_for("auto", n) for n in (1, 2048, 2049, 8192, 16384, 32768, 131072, 1 << 20)] == \
+           [None, None, 2048, 2048, 2048, 1024, 256, 256]
+    assert [chunk_for(7, n) for n in (7, 8)] == [None, 7] and chunk_for(None, 10**6) is None
 
 
 def test_chunks_read_and_recompute_a_chunk_at_a_time(run, monkeypatch):
@@ -275,7 +283,7 @@ def test_cli_recompute_chunk(run, tmp_path):
         result = runner.invoke(app, ["verify", str(path), "--recompute", "--recompute-chunk", value])
         assert result.exit_code != 0 and "auto, off or a number of tokens >= 1" in str(result.exception), value
     help_text = runner.invoke(app, ["verify", "--help"], env={"NO_COLOR": "1", "COLUMNS": "200"}).output
-    assert "--recompute-chunk" in help_text and f"N = {AUTO_CHUNK}" in help_text
+    assert "--recompute-chunk" in help_text and f"auto (N = {AUTO_CHUNK}," in help_text
 
 
 def test_in_memory_engine_samples_in_chunks(run):

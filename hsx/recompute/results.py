@@ -127,7 +127,7 @@ class RecomputeReport:
     tokens: int = 0  # tokens run through the recompute
     seconds: float = 0.0  # the whole check, model loading included
     load_seconds: float = 0.0
-    chunk: int | None = None  # samples longer than this many tokens were checked this many at a time
+    chunk: int | str | None = None  # the chunk setting: "auto", N tokens, None (every sample in one forward)
     chunked_samples: int = 0  # how many samples that was
 
     @property

@@ -23,14 +23,19 @@ from hsx.recompute.reference import Reference, config_matches, neighbour_sources
 from hsx.recompute.results import RecomputeReport, SampleResult, SourceResult, findings_of, source_label
 from hsx.recompute.tolerance import tolerance_for
 
-# samples longer than this many tokens are checked this many at a time, unless told otherwise
+# --recompute-chunk auto: samples longer than AUTO_CHUNK tokens are checked in chunks of AUTO_CHUNK, or
+# fewer tokens for very long samples, so that a chunk's causal mask [chunk, tokens] (~5 bytes an entry
+# on the CPU: transformers' boolean mask and the float copy attention makes of it) stays within
+# AUTO_MASK_ENTRIES entries (160 MiB); never fewer than AUTO_MIN_CHUNK (docs/PERFORMANCE.md, "Long samples")
 AUTO_CHUNK = 2048
+AUTO_MASK_ENTRIES = 1 << 25
+AUTO_MIN_CHUNK = 256
 
 
-def resolve_chunk(chunk: int | str | None) -> int | None:
-    """``"auto"`` -> :data:`AUTO_CHUNK`; ``None`` or ``"off"`` -> None (every sample in one forward); N >= 1 -> N."""
+def resolve_chunk(chunk: int | str | None) -> int | str | None:
+    """The chunk setting: ``"auto"``, None (every sample in one forward; also ``"off"``) or N >= 1 tokens."""
     if chunk == "auto":
-        return AUTO_CHUNK
+        return chunk
     if chunk is None or chunk == "off":
         return None
     if isinstance(chunk, str) and chunk.strip().isdigit():
@@ -38,6 +43,17 @@ def resolve_chunk(chunk: int | str | None) -> int | None:
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise HsxError(f"the recompute chunk must be auto, off or a number of tokens >= 1, got {chunk!r}")
     return chunk
+
+
+def chunk_for(chunk: int | str | None, tokens: int) -> int | None:
+    """The chunk a sample of ``tokens`` tokens is checked in under the setting ``chunk`` (None: in its batch's
+    forward). ``"auto"``: samples of more than :data:`AUTO_CHUNK` tokens, in chunks of at most AUTO_CHUNK
+    tokens and at most :data:`AUTO_MASK_ENTRIES` / ``tokens`` (at least :data:`AUTO_MIN_CHUNK`)."""
+    if chunk == "auto":
+        if tokens <= AUTO_CHUNK:
+            return None
+        return max(AUTO_MIN_CHUNK, min(AUTO_CHUNK, AUTO_MASK_ENTRIES // tokens))
+    return chunk if chunk is not None and tokens > chunk else None
 
 
 def _stored_block(samples, placed: list[torch.Tensor], name: str, width: int, length: int,
@@ -61,14 +77,14 @@ def check_samples(
     tol: Tolerance,
     mode: str = "generate",
     sources: dict[tuple[str, int | str], SourceResult] | None = None,
-    chunk: int | None = None,
+    chunk: int | str | None = None,
 ) -> list[SampleResult]:
     """Check one batch of samples (each with ``input_ids [N]`` and hidden rows per column).
 
     A shard ``Sample``'s rows are checked at its ``positions`` (what ``--keep`` stored); other samples'
     row j is position j, every position ``mode`` covers. A sample longer than ``chunk`` tokens is
-    checked alone, ``chunk`` tokens at a time (:mod:`hsx.recompute.chunked`); the others in one batched
-    forward (all of them when ``chunk`` is None).
+    checked alone, ``chunk`` tokens at a time (:mod:`hsx.recompute.chunked`; ``"auto"``: see
+    :func:`chunk_for`); the others in one batched forward (all of them when ``chunk`` is None).
 
     ``sources``, when given, accumulates per-column-source statistics across calls.
     """
@@ -78,17 +94,17 @@ def check_samples(
         if g.width != unit * len(g.sources):
             raise HsxError(f"column {g.name!r} is {g.width} wide for {len(g.sources)} source(s); the model's states "
                            f"are {unit} wide")
-    long = [chunk is not None and R.token_ids(s).numel() > chunk for s in samples]
-    short = [k for k, is_long in enumerate(long) if not is_long]
+    sizes = [chunk_for(chunk, R.token_ids(s).numel()) for s in samples]
+    short = [k for k, size in enumerate(sizes) if size is None]
     results: list[SampleResult | None] = [None] * len(samples)
     if short:
         checked = _check_batch(ref, [samples[k] for k in short], [R.sample_id(samples[k], k) for k in short], groups,
                                tol, mode, sources)
         for k, r in zip(short, checked):
             results[k] = r
-    for k, is_long in enumerate(long):
-        if is_long:
-            results[k] = check_in_chunks(ref, samples[k], k, groups, tol, mode, chunk, sources)
+    for k, size in enumerate(sizes):
+        if size is not None:
+            results[k] = check_in_chunks(ref, samples[k], k, groups, tol, mode, size, sources)
     return results
 
 
@@ -181,7 +197,7 @@ def recompute(
     ``samples`` checks that many, chosen with ``seed``; batches follow storage order, so rows
     swapped between neighbouring samples are caught with the sample they belong to. ``chunk``: samples
     longer than this many tokens are checked alone, this many tokens at a time, their memory bounded
-    by the chunk (``"auto"``: :data:`AUTO_CHUNK`; ``None`` or ``"off"``: every sample in one forward).
+    by the chunk (``"auto"``: :func:`chunk_for`; ``None`` or ``"off"``: every sample in one forward).
     """
     import hsx
 
@@ -205,7 +221,7 @@ def recompute(
         report.samples += results
         lengths = [len(s.input_ids) for s in batch]
         report.tokens += sum(lengths)
-        report.chunked_samples += sum(chunk is not None and n > chunk for n in lengths)
+        report.chunked_samples += sum(chunk_for(chunk, n) is not None for n in lengths)
         bar.update(len(batch))
         bar.set_postfix(bad=sum(1 for r in report.samples if r.findings), refresh=False)
     bar.close()

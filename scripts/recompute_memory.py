@@ -14,7 +14,8 @@ tokens made of the demo corpus, extracted in prefill mode (`--layers LAYERS`, fl
 
 Settings: "one forward" (`chunk="off"`: the sample in one teacher-forced forward, as before
 chunks existed) and "chunk N" for each N of --chunks (the sample N tokens at a time through a KV
-cache). Every setting must check the same rows and pass. Results go to bench_out/recompute_memory.json.
+cache; `auto`: the chunk `--recompute-chunk auto` takes for that length). Every setting must check
+the same rows and pass. --reuse keeps the model and outputs of an earlier run in --work. Results go to bench_out/recompute_memory.json.
 
     python scripts/recompute_memory.py                                  # 8K, 32K and 128K tokens
     python scripts/recompute_memory.py --tokens 8192 --chunks 256,2048 --layers final,eagle3
@@ -78,7 +79,8 @@ def child(argv: list[str]) -> None:
     del warm, cache
     t0 = time.perf_counter()
     with PeakMeter() as meter:
-        report = recompute(out, chunk="off" if chunk == "-" else int(chunk), progress=False)
+        report = recompute(out, chunk="off" if chunk == "-" else chunk if chunk == "auto" else int(chunk),
+                           progress=False)
     print(json.dumps({"ok": report.ok, "rows": report.rows, "row_checks": report.row_checks,
                       "sample_tokens": report.tokens, "chunked_samples": report.chunked_samples,
                       "worst_rel": max(s.worst_rel for s in report.sources), "findings": len(report.findings),
@@ -122,8 +124,10 @@ def long_text(model_dir: str, tokens: int) -> str:
     return " ".join(text[:lo])
 
 
-def build_output(work: Path, model_dir: str, tokens: int, layers: str, threads: int) -> Path:
+def build_output(work: Path, model_dir: str, tokens: int, layers: str, threads: int, reuse: bool) -> Path:
     data, out = work / f"long-{tokens}.jsonl", work / f"out-{tokens}"
+    if reuse and (out / ".hsx-manifest.json").is_file():
+        return out
     data.write_text(json.dumps({"id": f"long-{tokens}", "text": long_text(model_dir, tokens)}) + "\n")
     code = ("import sys, torch, hsx; torch.set_num_threads(int(sys.argv[5])); "
             "hsx.extract(hsx.ExtractConfig(model=sys.argv[1], dataset=sys.argv[2], output=sys.argv[3], mode='prefill', "
@@ -139,7 +143,7 @@ def _env(threads: int) -> dict:
     return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": t, "MKL_NUM_THREADS": t}
 
 
-def measure(out: Path, chunk: int | None, threads: int) -> dict:
+def measure(out: Path, chunk: int | str | None, threads: int) -> dict:
     p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "_run", str(out),
                         "-" if chunk is None else str(chunk), str(threads)],
                        env=_env(threads), capture_output=True, text=True, cwd=ROOT)
@@ -157,10 +161,11 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=1)
     ap.add_argument("--layers", default="final", help="--layers of the extraction, hence the recompute's columns")
-    ap.add_argument("--chunks", default="512,2048", help="comma-separated recompute chunk sizes")
+    ap.add_argument("--chunks", default="512,2048,auto", help="comma-separated recompute chunk sizes, or auto")
     ap.add_argument("--skip-one-forward-above", type=int, default=None,
                     help="measure the one-forward setting only up to this many tokens")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reuse", action="store_true", help="keep outputs already in --work (same model and --layers)")
     ap.add_argument("--quick", action="store_true", help="1024 tokens, chunk 256")
     ap.add_argument("--work", type=Path, default=ROOT / "bench_out" / "recompute_memory_work")
     ap.add_argument("--json", type=Path, default=ROOT / "bench_out" / "recompute_memory.json")
@@ -168,16 +173,22 @@ def main() -> None:
     if args.quick:
         args.tokens, args.chunks = "1024", "256"
     lengths = [int(t) for t in args.tokens.split(",") if t.strip()]
-    chunks = [int(c) for c in args.chunks.split(",") if c.strip()]
+    chunks = [c.strip() if c.strip() == "auto" else int(c) for c in args.chunks.split(",") if c.strip()]
     args.work.mkdir(parents=True, exist_ok=True)
-    model_dir = build_model(args.work, args, 2 * max(lengths))
+    model_dir = str(args.work / "target") if args.reuse and (args.work / "target").is_dir() else \
+        build_model(args.work, args, 2 * max(lengths))
     results = []
     for tokens in lengths:
-        out = build_output(args.work, model_dir, tokens, args.layers, args.threads)
+        out = build_output(args.work, model_dir, tokens, args.layers, args.threads, args.reuse)
         settings = [] if args.skip_one_forward_above and tokens > args.skip_one_forward_above else [None]
         for chunk in settings + chunks:
-            r = {"tokens": tokens, "setting": "one forward" if chunk is None else f"chunk {chunk}",
-                 **measure(out, chunk, args.threads)}
+            if chunk == "auto":
+                from hsx.recompute import chunk_for
+
+                name = f"auto ({chunk_for('auto', tokens)})"
+            else:
+                name = "one forward" if chunk is None else f"chunk {chunk}"
+            r = {"tokens": tokens, "setting": name, **measure(out, chunk, args.threads)}
             if not r["ok"] or r["findings"]:
                 raise SystemExit(f"the recompute did not pass: {r}")
             results.append(r)

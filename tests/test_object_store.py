@@ -331,3 +331,18 @@ def test_the_store_stopped_mid_run_then_restarted_resumes_to_the_uninterrupted_o
         assert_same_output(local_run, out)
     finally:
         server.stop()
+
+
+# --------------------------------------------------------------------------- --ray
+
+def test_ray_workers_upload_their_shards_and_the_driver_commits(s3_env, model_dir, local_run):
+    pytest.importorskip("ray")
+    out = uri(s3_env, "ray")
+    result = CliRunner().invoke(app, extract_args(model_dir, out, "--ray", "--ray-address", "local", "--num-workers",
+                                                  "2", "--cpus-per-worker", "0.5", "--unit-size", "8",
+                                                  "--window", "8"))
+    assert result.exit_code == 0, result.output
+    m = load_manifest(out)
+    assert m.complete and all(s.file.startswith("shard-") for s in m.shards)
+    assert visible_parquet(s3_env, "ray") == {s.file for s in m.shards}
+    assert_same_output(local_run, out)

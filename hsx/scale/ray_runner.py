@@ -25,8 +25,9 @@ from hsx.core import RunSummary, open_rows
 from hsx.errors import HsxError
 from hsx.output import open_manifest, prepare_output
 from hsx.scale.worker import ExtractWorker
-from hsx.shards.lock import OutputLock
+from hsx.shards.lock import output_lock
 from hsx.shards.manifest import ErrorRecord, Manifest, ShardEntry, publish, save_manifest, shard_path
+from hsx.shards.store import as_path
 from hsx.stopping import keep_sigterm_handler
 
 MAX_RESTARTS = 3  # per worker, done by Ray
@@ -187,8 +188,8 @@ def extract_ray(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool =
     except ImportError:
         raise HsxError("--ray needs Ray on every machine of the run: pip install ray (from a checkout: pip install -e '.[ray]')") from None
     cfg.validate()
-    out = Path(cfg.output)
-    with OutputLock(out):
+    out = as_path(cfg.output)  # a shared directory, or a prefix in an object store
+    with output_lock(out):
         t0 = time.perf_counter()  # the summary's seconds include Ray's start and the engines'
         started = connect(cfg)
         try:
@@ -221,7 +222,7 @@ def _drive(cfg: ExtractConfig, out: Path, overwrite: bool, progress: bool, t0: f
     manifest.complete = True
     save_manifest(out, manifest)
     summary.seconds = time.perf_counter() - t0
-    summary.bytes = sum((out / s.file).stat().st_size for s in manifest.shards)
+    summary.bytes = sum(s.bytes for s in manifest.shards)
     return summary
 
 

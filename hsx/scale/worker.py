@@ -15,7 +15,6 @@ import os
 import socket
 import uuid
 from dataclasses import asdict
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -25,6 +24,7 @@ from hsx.core import Failure, Resumed, RunSummary, make_renderer, results, run_m
 from hsx.errors import HsxError
 from hsx.shards.background import BackgroundSink
 from hsx.shards.manifest import Manifest
+from hsx.shards.store import as_path
 from hsx.shards.writer import Record
 
 
@@ -84,7 +84,7 @@ class ExtractWorker:
             raise HsxError(self.error)
         cfg = self.cfg
         attempt = uuid.uuid4().hex[:12]
-        out = Path(cfg.output)
+        out = as_path(cfg.output)  # in an object store the sink uploads the shards under their staging names
         manifest = Manifest(metadata=self.metadata, config_hash=cfg.fingerprint())
         sink = BackgroundSink(out, manifest, max_shard_bytes=cfg.max_shard_mb << 20,
                          max_shard_samples=cfg.max_shard_samples,

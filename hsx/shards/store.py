@@ -23,7 +23,9 @@ a path, a message, the saved config or the manifest.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -225,6 +227,7 @@ class ObjectStore:
             if base:
                 Path(base).mkdir(parents=True, exist_ok=True)
             self._spool = Path(tempfile.mkdtemp(prefix=f"hsx-spool-{self.bucket}-", dir=base))
+            atexit.register(shutil.rmtree, self._spool, True)  # files leave it as they are uploaded
         return self._spool
 
 

@@ -278,13 +278,16 @@ class Feed(torch.utils.data.IterableDataset):
         order, through ``share``; only this rank's items are fetched."""
         units = self.source.units(share.remainder)
         entries = in_source_order(entry for unit in units for entry in unit)
+        finished = False
         try:
             for entry, padding in share.assign(entries):
                 item = self.source.fetch(entry)
                 yield Padding.of(item) if padding else item
+            finished = True
         finally:
             entries.close()
-            units.close()  # a pass stopped early: the pool ends it on every rank
+            units.close()
+            self.source.end_pass(finished)  # a pass stopped early ends on every rank
 
 
 def _check_shared(cfg: ExtractConfig, rank: int, world: int, ordered: bool, rank_timeout: float) -> None:

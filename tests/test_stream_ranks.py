@@ -305,7 +305,7 @@ def test_ddp_on_two_ranks_has_the_loss_curve_of_one_process(main_run, shards, se
         optim.zero_grad()
         loss.backward()
         optim.step()
-        want.append(float(loss))
+        want.append(float(loss.detach()))
     assert len(results[0]["losses"]) == len(want) == (NUM_RECORDS // 2) // BATCH
     assert want[-1] < want[0]  # it learns something
     assert results[0]["losses"] == pytest.approx(want, rel=1e-5, abs=1e-6)

@@ -39,6 +39,7 @@ from hsx.scale.worker import decode_item
 NAMESPACE = "hsx"  # the Ray namespace of the pools: every rank finds rank 0's there, whatever its own
 POLL_SECONDS = 1.0  # a rank's call to the pool returns within this (plus the trip), so no wait is blind
 LEASE_SECONDS = 1.0  # how often the pool asks whether the ranks' processes are alive
+SCHEDULE_SECONDS = 0.02  # how often the pool looks for room to start a unit while others run
 CALL_SECONDS = 120.0  # a call the pool does not answer in this long means the pool is stuck
 
 
@@ -75,7 +76,7 @@ class RankLease:
 class _Rank:
     pass_no: int = -1  # the last pass this rank took part in
     position: int = 0  # units of that pass it has taken
-    status: str = "done"  # in | done (took every unit) | left (stopped early) | closed
+    status: str = "done"  # in | done (took every unit) | left (stopped early) | closed | gone (its process ended)
     seen: float = 0.0  # when it last called
 
 
@@ -90,7 +91,7 @@ class FeedPool:
         self.leases: dict[int, object] = {}
         self.fingerprint = self.cfg.fingerprint()
         self.ready = False
-        self.error: str | None = None  # ends the feed on every rank (a rank gone or closed, the start failed)
+        self.error: str | None = None  # ends the feed on every rank (a rank gone mid-pass, the start failed, rank 0 closed)
         self.pass_no, self.remainder = -1, None
         self.pass_error: str | None = None  # ends the current pass on every rank
         self.results: dict[int, tuple] = {}  # unit index -> (item index, item refs), until every rank took it
@@ -159,13 +160,15 @@ class FeedPool:
                     self._gone(pings[ref])
 
     def _gone(self, rank: int) -> None:
+        """Rank ``rank``'s process ended: mid-pass, the feed stops on every rank; after its last pass
+        (the others may still be finishing theirs), only a further pass is refused."""
         with self.cond:
-            if self.error is None:
-                r = self.ranks[rank]
-                where = f"in pass {r.pass_no}, after {r.position} of {len(self.units)} units" if r.status == "in" \
-                    else f"after pass {r.pass_no}"
-                self.error = (f"rank {rank} is gone ({where}): its process ended or lost its connection to Ray. "
-                              "The feed stops on every rank; a restarted job runs the pass again with the same shares")
+            r = self.ranks[rank]
+            if r.status == "in" and self.error is None:
+                self.error = (f"rank {rank} is gone (in pass {r.pass_no}, after {r.position} of {len(self.units)} "
+                              "units): its process ended or lost its connection to Ray. The feed stops on every "
+                              "rank; a restarted job runs the pass again with the same shares")
+            r.status = "gone"
             self.leases.pop(rank, None)
             self.cond.notify_all()
 
@@ -182,6 +185,9 @@ class FeedPool:
             while True:
                 self._check(rank, pass_no)
                 if pass_no > self.pass_no:
+                    ended = [f"rank {k} {o.status}" for k, o in enumerate(self.ranks) if o.status in ("closed", "gone")]
+                    if ended:
+                        raise HsxError(f"{', '.join(ended)} after pass {self.pass_no}: no further pass can run without it")
                     holding = [k for k, o in enumerate(self.ranks) if o.pass_no != self.pass_no or o.status == "in"]
                     if not holding:
                         self._start_pass(pass_no, remainder)
@@ -198,13 +204,20 @@ class FeedPool:
                 self._free()
                 self.cond.notify_all()  # room for the scheduler, maybe
                 if position >= len(self.units):
-                    r.status = "done"
-                    return {"end": True}
+                    return {"end": True}  # the rank says when it has fetched what it needs: finish()
                 if position in self.results:
                     index, refs = self.results[position]
                     return {"index": index, "refs": refs}
                 if not self._wait(deadline):
                     return {"wait": self._holding(position)}
+
+    def finish(self, rank: int, pass_no: int) -> None:
+        """Rank ``rank`` has its whole share of pass ``pass_no`` (fetched, padding too)."""
+        with self.cond:
+            r = self.ranks[rank]
+            if r.pass_no == pass_no and r.status == "in":
+                r.status = "done"
+            self.cond.notify_all()
 
     def leave(self, rank: int, pass_no: int, position: int, reason: str) -> None:
         """Rank ``rank`` stopped pass ``pass_no`` after taking ``position`` units: the pass ends on every rank."""
@@ -218,14 +231,13 @@ class FeedPool:
             self.cond.notify_all()
 
     def close_rank(self, rank: int) -> None:
-        """Rank ``rank`` closed its feed: no pass can run without it."""
+        """Rank ``rank`` closed its feed: the pass it was in (if it had not finished it) ends, and no
+        further pass can start without it; a pass it finished goes on for the others."""
         with self.cond:
             r = self.ranks[rank]
             if r.status == "in" and self.pass_error is None:
                 self.pass_error = f"rank {rank} closed its feed in pass {r.pass_no}, after {r.position} units"
             r.status = "closed"
-            if self.error is None:
-                self.error = f"rank {rank} closed its feed; no further pass can run without it"
             self.leases.pop(rank, None)
             self.cond.notify_all()
 
@@ -320,7 +332,7 @@ class FeedPool:
                     if not running:  # at the limit: the ranks must take units first
                         self.cond.wait(POLL_SECONDS)
                         continue
-                ready, _ = ray.wait(list(running), num_returns=1, timeout=POLL_SECONDS)
+                ready, _ = ray.wait(list(running), num_returns=1, timeout=SCHEDULE_SECONDS)
                 for ref in ready:
                     w, u, refs = running.pop(ref)
                     idle.append(w)  # a dead worker is restarted by Ray; calls to it wait until it is back
@@ -353,7 +365,8 @@ class RankSource:
         except ImportError:
             raise HsxError("a feed shared by ranks needs Ray on every machine of the run: pip install ray (from a checkout: pip install -e '.[ray]')") from None
         self.cfg, self.rank, self.world, self.timeout = cfg, rank, world, timeout
-        self.engine, self.pool, self.lease, self.pass_no = None, None, None, -1
+        self.engine, self.pool, self.lease = None, None, None
+        self.pass_no, self.position, self.reason = -1, 0, ""  # the current (or last) pass, and where it stands
         address = cfg.ray_address or os.environ.get("RAY_ADDRESS") or "auto"  # one cluster for every rank, never a new one
         self.started = connect(replace(cfg, ray_address=address))
         self.name = pool_name(cfg, world, group)
@@ -415,33 +428,36 @@ class RankSource:
             raise HsxError(f"rank {self.rank}: the feed's pool did not answer in {CALL_SECONDS:g} s") from None
 
     def units(self, remainder: str) -> Iterator[list[Entry]]:
-        """One pass: every unit's entries, in unit order (each rank sees them all)."""
+        """One pass: every unit's entries, in unit order (each rank sees them all); then :meth:`end_pass`."""
         self.pass_no += 1
-        p, position, finished, reason = self.pass_no, 0, False, "stopped its pass early"
+        self.position, self.reason = 0, "stopped its pass early"
         waiting_since = None
-        try:
-            while True:
-                reply = self._call(self.pool.take.remote(self.rank, p, position, remainder))
-                if "wait" in reply:
-                    if not reply["wait"]:
-                        waiting_since = None
-                    elif waiting_since is None:
-                        waiting_since = time.monotonic()
-                    elif time.monotonic() - waiting_since > self.timeout:
-                        reason = f"waited {self.timeout:g} s for rank(s) {reply['wait']}, which took nothing,"
-                        raise HsxError(f"rank {self.rank}: waited {self.timeout:g} s in pass {p} for rank(s) "
-                                       f"{reply['wait']}, which took nothing in that time (stopped, stuck, or slower "
-                                       "than the feed's rank_timeout); the pass ends on every rank")
-                    continue
-                waiting_since = None
-                if reply.get("end"):
-                    finished = True
-                    return
-                yield [Entry(s, f, ref) for (s, f), ref in zip(reply["index"], reply["refs"])]
-                position += 1
-        finally:
-            if not finished:
-                self._quietly(lambda: self.pool.leave.remote(self.rank, p, position, reason))
+        while True:
+            reply = self._call(self.pool.take.remote(self.rank, self.pass_no, self.position, remainder))
+            if "wait" in reply:
+                if not reply["wait"]:
+                    waiting_since = None
+                elif waiting_since is None:
+                    waiting_since = time.monotonic()
+                elif time.monotonic() - waiting_since > self.timeout:
+                    self.reason = f"waited {self.timeout:g} s for rank(s) {reply['wait']}, which took nothing,"
+                    raise HsxError(f"rank {self.rank}: waited {self.timeout:g} s in pass {self.pass_no} for rank(s) "
+                                   f"{reply['wait']}, which took nothing in that time (stopped, stuck, or slower "
+                                   "than the feed's rank_timeout); the pass ends on every rank")
+                continue
+            waiting_since = None
+            if reply.get("end"):
+                return
+            yield [Entry(s, f, ref) for (s, f), ref in zip(reply["index"], reply["refs"])]
+            self.position += 1
+
+    def end_pass(self, finished: bool) -> None:
+        """Tell the pool this rank has its whole share of the pass (``finished``), or stopped it early."""
+        if finished:
+            self._call(self.pool.finish.remote(self.rank, self.pass_no))
+        else:
+            p, position, reason = self.pass_no, self.position, self.reason
+            self._quietly(lambda: self.pool.leave.remote(self.rank, p, position, reason))
 
     def fetch(self, entry: Entry):
         """The record or failure an entry stands for."""

@@ -74,10 +74,10 @@ def _split(uri: str) -> tuple[str, str]:
 
 
 def open_input(path, local):
-    """A readable pyarrow file: ``local(str(path))`` for a local path (``pa.OSFile``, ``pa.memory_map``), a
-    random-access file of the store for an ObjectPath (each read a ranged GET)."""
+    """A readable pyarrow file: ``local(str(path))`` (``pa.OSFile``, ``pa.memory_map``) for a local path; for an
+    ObjectPath the same, on a local copy downloaded for this open (:meth:`ObjectStore.open_input`)."""
     if isinstance(path, ObjectPath):
-        return path.store.open_input(path.key)
+        return path.store.open_input(path.key, local)
     return local(str(path))
 
 
@@ -105,8 +105,8 @@ def store_for(bucket: str) -> "ObjectStore":
 
 
 class ObjectStore:
-    """One bucket of an S3-compatible store, through boto3 (puts, conditional puts, listings, copies)
-    and pyarrow's S3 filesystem (reads), both configured from the same boto3 session."""
+    """One bucket of an S3-compatible store, through boto3: puts, conditional puts, listings, copies,
+    uploads and downloads."""
 
     def __init__(self, bucket: str):
         try:
@@ -120,7 +120,6 @@ class ObjectStore:
         self.endpoint = self.client.meta.endpoint_url
         self.etags: dict[str, str] = {}  # key -> the ETag this process last read or wrote
         self.lease = None  # the run's lease, checked before every commit (hsx.shards.lease)
-        self._fs = None
         self._spool: Path | None = None
 
     def where(self, key: str) -> str:
@@ -198,28 +197,17 @@ class ObjectStore:
         r = self._call("list", prefix, self.client.list_objects_v2, Bucket=self.bucket, Prefix=prefix, MaxKeys=1)
         return r.get("KeyCount", 0) > 0
 
-    def filesystem(self):
-        """pyarrow's S3 filesystem with this client's endpoint, region and credentials (kept in memory only)."""
-        if self._fs is None:
-            from pyarrow import fs
-
-            creds = self._session.get_credentials()
-            frozen = creds.get_frozen_credentials() if creds is not None else None
-            url = urlsplit(self.endpoint)
-            self._fs = fs.S3FileSystem(
-                access_key=frozen.access_key if frozen else None, secret_key=frozen.secret_key if frozen else None,
-                session_token=frozen.token if frozen else None, anonymous=frozen is None,
-                region=self.client.meta.region_name, scheme=url.scheme or "https", endpoint_override=url.netloc,
-                force_virtual_addressing=False)
-        return self._fs
-
-    def open_input(self, key: str):
+    def open_input(self, key: str, local):
+        """Download the object into a spool file and open it with ``local``; the file is unlinked at once,
+        so it lasts as long as the open file does. One sequential download (ranged GETs in parallel)
+        instead of a request for every read, and the reader then works on a local file as for a disk."""
+        fd, tmp = tempfile.mkstemp(prefix="hsx-read-", dir=self.spool())
+        os.close(fd)
         try:
-            return self.filesystem().open_input_file(f"{self.bucket}/{key}")
-        except FileNotFoundError:
-            raise FileNotFoundError(2, "no such object", self.where(key)) from None
-        except OSError as e:
-            raise StoreError(f"{self.where(key)}: read failed ({e})") from None
+            self._call("read", key, self.client.download_file, self.bucket, key, tmp)
+            return local(tmp)
+        finally:
+            os.unlink(tmp)
 
     def spool(self) -> Path:
         if self._spool is None:

@@ -117,6 +117,24 @@ def test_a_shard_committed_before_its_copy_is_read_and_published(s3_env, monkeyp
     assert [s.sample_id for s in hsx.open(out)] == ["s000", "s001"]
 
 
+def test_another_runs_output_is_refused_then_replaced_with_overwrite(s3_env):
+    from hsx.config import ExtractConfig
+    from hsx.output import prepare_output
+
+    meta = make_metadata([8])
+    out = uri(s3_env, "overwrite")
+    sink = ShardSink(out, Manifest(meta, config_hash="another-run"))
+    for r in random_records(meta, [4, 6], "none", 2):
+        sink.add(r)
+    sink.close()
+    cfg = ExtractConfig(model="m", dataset="d", output=out)
+    with pytest.raises(HsxError, match="holds a run with a different configuration"):
+        prepare_output(as_path(out), cfg, overwrite=False)
+    assert visible_parquet(s3_env, "overwrite") == {"shard-00000.parquet"}
+    assert prepare_output(as_path(out), cfg, overwrite=True) is None
+    assert s3_env.client().list_objects_v2(Bucket=s3_env.bucket, Prefix="overwrite/").get("KeyCount") == 0
+
+
 def test_a_location_with_credentials_is_refused_without_echoing_them():
     with pytest.raises(HsxError) as e:
         as_path("s3://AKIDSECRET:hunter2@bucket/prefix")

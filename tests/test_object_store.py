@@ -65,6 +65,9 @@ def test_only_one_of_two_writers_commits_the_manifest(s3_env):
     assert b.read_bytes() == b'{"v": 1}'
     b.commit_bytes(b'{"v": 2}')
     assert a.read_bytes() == b'{"v": 2}'
+    ObjectPath(ObjectStore(s3_env.bucket), key).unlink()  # a third process removes it
+    with pytest.raises(HsxError, match="changed by another writer"):
+        a.commit_bytes(b'{"v": 3}')  # If-Match on a deleted object
 
 
 def test_plain_readers_see_committed_shards_only(s3_env):

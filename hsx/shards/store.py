@@ -163,7 +163,10 @@ class ObjectStore:
 
     def put(self, key: str, data: bytes, *, if_match: str | None = None, if_none_match: bool = False) -> str:
         extra = {"IfMatch": if_match} if if_match else {"IfNoneMatch": "*"} if if_none_match else {}
-        r = self._call("write", key, self.client.put_object, Bucket=self.bucket, Key=key, Body=data, **extra)
+        try:
+            r = self._call("write", key, self.client.put_object, Bucket=self.bucket, Key=key, Body=data, **extra)
+        except FileNotFoundError:  # If-Match on an object deleted since: some stores say 404, others 412
+            raise ConditionFailed(self.where(key)) from None
         return self._remember(key, r.get("ETag"))
 
     def upload(self, key: str, local: Path) -> None:

@@ -67,7 +67,22 @@ class _Record:
     sampled: list[tuple[int, list[int]]] = field(default_factory=list)  # (position of the first, tokens)
 
     def as_dict(self) -> dict:
-        return {"positions": self.positions, "fed": self.fed, "rows": self.rows, "sampled": self.sampled}
+        """Plain types only (tensors as raw bytes): what ``collective_rpc`` carries from an engine-core process."""
+        return {"positions": _pack(torch.cat(self.positions)), "fed": _pack(torch.cat(self.fed)),
+                "rows": {k: _pack(torch.cat(v)) for k, v in self.rows.items()},
+                "sampled": [[first, tokens] for first, tokens in self.sampled]}
+
+
+def _pack(t: torch.Tensor) -> dict:
+    t = t.contiguous()
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+            "data": t.view(torch.uint8).numpy().tobytes() if t.numel() else b""}
+
+
+def _unpack(d: dict) -> torch.Tensor:
+    dtype = getattr(torch, d["dtype"])
+    raw = torch.frombuffer(bytearray(d["data"]), dtype=torch.uint8) if d["data"] else torch.zeros(0, dtype=torch.uint8)
+    return raw.view(dtype).reshape(d["shape"])
 
 
 class _Capture:
@@ -165,7 +180,7 @@ class HsxWorkerExtension:
         return {"aux": list(aux)}
 
     def hsx_capture_take(self, tags: list[str]) -> dict:
-        """The records of ``tags`` (removed from the worker), as plain dicts of tensors and lists."""
+        """The records of ``tags`` (removed from the worker), as plain dicts of bytes and lists."""
         capture = self.model_runner.sample_tokens
         if not isinstance(capture, _Capture):
             raise RuntimeError("hsx capture is not installed in this worker")
@@ -201,7 +216,7 @@ class Assembled:
 def assemble(record: dict) -> Assembled | str:
     """Rows by position from a record of :meth:`HsxWorkerExtension.hsx_capture_take`; a message if a
     position is missing."""
-    positions = torch.cat(record["positions"]).numpy()
+    positions = _unpack(record["positions"]).numpy()
     if positions.size == 0:
         return "no rows were captured"
     order = np.argsort(positions, kind="stable")
@@ -213,8 +228,8 @@ def assemble(record: dict) -> Assembled | str:
         gaps = sorted(set(range(int(covered.max()) + 1)) - set(covered.tolist()))[:8]
         return f"captured rows miss positions {gaps} (of 0..{int(covered.max())})"
     idx = torch.from_numpy(pick)
-    rows = {key: torch.cat(parts)[idx] for key, parts in record["rows"].items()}
-    fed = torch.cat(record["fed"]).numpy()[pick]
+    rows = {key: _unpack(packed)[idx] for key, packed in record["rows"].items()}
+    fed = _unpack(record["fed"]).numpy()[pick]
     sampled, steps = {}, {}
     for first, tokens in record["sampled"]:
         steps[int(first)] = len(tokens)  # a recomputed step replaces the one at its position

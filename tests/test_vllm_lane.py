@@ -1,0 +1,207 @@
+"""hsx's vLLM engine on a real vLLM 0.32, against the transformers engine and the oracle.
+
+Runs inside the vLLM CPU lane only: ``bash scripts/vllm_cpu.sh python -m pytest -m vllm
+tests/test_vllm_lane.py``; skipped where ``vllm`` is not importable. Each engine start costs 15-30 s
+here, so the tests share a few engines; the whole grid is ``scripts/vllm_cpu_check.sh``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+ROOT = Path(__file__).resolve().parents[1]
+pytest.importorskip("vllm", reason="runs inside the vLLM CPU lane: bash scripts/vllm_cpu.sh python -m pytest -m vllm")
+
+from typer.testing import CliRunner  # noqa: E402
+
+from hsx.align import AlignedSample  # noqa: E402
+from hsx.cli import app  # noqa: E402
+from hsx.config import ExtractConfig  # noqa: E402
+from hsx.data.render import Prompt  # noqa: E402
+from hsx.demo.spec_models import build_spec_models  # noqa: E402
+from hsx.engine.vllm_capture import _Record, assemble, check_version  # noqa: E402
+from hsx.errors import HsxError  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "scripts" / "vllm_cpu"))
+from heads import vllm_heads  # noqa: E402
+from oracle import oracle_rows, oracle_sources  # noqa: E402
+
+MAX_NEW = 10
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return build_spec_models(tmp_path_factory.mktemp("vllm-models"))
+
+
+def prompts(models, lengths=(3, 21, 70), regime="mixed", seed=0) -> list[Prompt]:
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.tensor(sum(models.classes.values(), []))
+    out = []
+    for i, n in enumerate(lengths):
+        ids = pool[torch.randint(len(pool), (n,), generator=g)]
+        ids[-1] = models.classes[regime][i]
+        out.append(Prompt(f"s{i}", i, ids.tolist(), [1] * n))
+    return out
+
+
+def config(models, engine, **kw) -> ExtractConfig:
+    base = dict(model=str(models.target), engine=engine, device="cpu", model_dtype="float32", dtype="float32",
+                max_new_tokens=MAX_NEW, layers="final")
+    return ExtractConfig(**{**base, **kw})
+
+
+def transformers_engine(models, batch, layers: str, tmp_path) -> dict:
+    """The transformers engine's samples, from hsx's own virtualenv (the lane's transformers is too old for it)."""
+    from safetensors.torch import load_file
+
+    python = Path(os.environ.get("HSX_VENV", ROOT / ".venv")) / "bin" / "python"
+    assert python.exists(), f"{python}: hsx's virtualenv (bash scripts/setup.sh, or set HSX_VENV)"
+    ids, out = tmp_path / "prompts.json", tmp_path / "hf.safetensors"
+    ids.write_text(json.dumps([p.input_ids for p in batch]))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "VIRTUAL_ENV", "PYTHONPATH"))}
+    done = subprocess.run([str(python), str(ROOT / "scripts" / "vllm_cpu" / "hf_reference.py"), str(models.target),
+                           str(ids), layers, str(MAX_NEW), str(out)], env={**env, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return load_file(str(out))
+
+
+def test_greedy_tokens_and_rows_equal_the_transformers_engine(models, tmp_path):
+    from hsx.engine.vllm import VLLMRunner
+
+    batch = prompts(models)
+    theirs = transformers_engine(models, batch, "final,b3", tmp_path)
+    runner = VLLMRunner(config(models, "vllm", layers="final,b3"))
+    mine = runner.run(batch)
+    oracle = None
+    for i, (p, a) in enumerate(zip(batch, mine, strict=True)):
+        assert isinstance(a, AlignedSample), a
+        assert a.input_ids.tolist() == theirs[f"ids.{i}"].tolist(), p.sample_id
+        for name in ("final", "b3"):
+            b = theirs[f"{name}.{i}"]
+            assert a.hidden[name].shape == b.shape
+            assert float((a.hidden[name] - b).abs().max()) < 1e-4
+        if oracle is None:
+            from transformers import AutoModelForCausalLM
+
+            oracle = AutoModelForCausalLM.from_pretrained(models.target, dtype=torch.float32).eval()
+        want = oracle_rows(oracle, a.input_ids, runner.groups)
+        for g in runner.groups:
+            ref = want[g.name][: a.hidden[g.name].shape[0]]
+            assert float((a.hidden[g.name] - ref).abs().max() / ref.abs().max()) < 1e-4
+
+
+def test_extract_then_verify_recompute_passes(models, tmp_path):
+    data = tmp_path / "data.jsonl"
+    words = ["the cat sat on a mat", "speculative decoding", "hidden states are rows", "a b c d e f g"]
+    data.write_text("".join(json.dumps({"text": w * (i + 1)}) + "\n" for i, w in enumerate(words)))
+    _, eagle3 = vllm_heads(models)
+    out = tmp_path / "out"
+    run = CliRunner().invoke(app, [
+        "extract", "--model", str(models.target), "--dataset", str(data), "-o", str(out), "--engine", "vllm",
+        "--device", "cpu", "--model-dtype", "float32", "--dtype", "float32", "--layers", "final,eagle3",
+        "--max-new-tokens", str(MAX_NEW), "--spec-algorithm", "EAGLE3", "--draft-model", str(eagle3),
+        "--spec-num-steps", "3", "--batch-size", "3", "--quiet"])
+    assert run.exit_code == 0, run.output
+    check = CliRunner().invoke(app, ["verify", str(out), "--recompute", "--device", "cpu", "--model-dtype",
+                                     "float32", "--json"])
+    assert check.exit_code == 0, check.output
+    r = json.loads(check.output)["recompute"]
+    assert r["ok"] and len(r["samples"]) == len(words) and all(s["verdict"] == "ok" for s in r["samples"])
+    assert r["row_checks"] == r["rows"] * (1 + 3) > 0  # final, eagle3 (3 sources)
+    import hsx
+
+    shards = hsx.open(str(out))
+    meta = shards.metadata
+    assert meta["engine"]["name"] == "vllm" and meta["speculative"]["algorithm"] == "EAGLE3"
+    eagle3_group = next(g for g in meta["layers"] if g["name"] == "eagle3")
+    assert eagle3_group["sources"] == [2, 4, 6]  # vLLM ids [2, 4, 6] of the rewritten head: boundary = id
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"spec_algorithm": "EAGLE", "layers": "final,b2"}, "EAGLE draft reads the final state"),
+    ({"spec_algorithm": "EAGLE3", "layers": "final,b1"}, "under EAGLE3 vLLM captures boundaries"),
+    ({"spec_algorithm": "EAGLE3", "spec_topk": 2}, "verifies chains only"),
+    ({"spec_algorithm": "NGRAM", "spec_num_draft_tokens": 6}, "verifies chains only"),
+    ({"spec_algorithm": "DFLASH"}, "hsx supports EAGLE, EAGLE3, NGRAM"),
+    ({"prefill_chunk": 16}, "--prefill-chunk 16 applies to --engine hf"),
+    ({"layers": "final,b2", "engine_args": {"enforce_eager": False}}, "enforce_eager=False"),
+    ({"engine_args": {"enable_prefix_caching": True}}, "conflict with what hsx needs"),
+])
+def test_refusals_name_the_option(models, kw, match):
+    from hsx.engine.vllm import VLLMRunner
+
+    _, eagle3 = vllm_heads(models)
+    if kw.get("spec_algorithm") in ("EAGLE", "EAGLE3"):
+        kw = {**kw, "draft_model": str(eagle3)}
+    with pytest.raises(HsxError, match=match):
+        VLLMRunner(config(models, "vllm", **kw))
+
+
+def test_the_version_gate():
+    check_version("0.32.0")
+    check_version("0.32.3+cpu")
+    for other in ("0.31.9", "0.33.0", "1.0.0", "unknown"):
+        with pytest.raises(HsxError, match="0.32"):
+            check_version(other)
+
+
+def _record(steps):
+    """A capture record of (first position, rows values) steps; each row's value is its position * 10 + run."""
+    rec = _Record()
+    for run, (first, n) in enumerate(steps):
+        pos = torch.arange(first, first + n)
+        rec.positions.append(pos)
+        rec.fed.append(pos + 100)
+        rec.rows.setdefault("final", []).append((pos * 10 + run).float()[:, None])
+        rec.sampled.append((first + n, [7]))
+    return rec.as_dict()
+
+
+def test_assembly_keeps_the_latest_row_of_each_position():
+    got = assemble(_record([(0, 5), (5, 1), (6, 2), (0, 8), (8, 1)]))  # preempted after 8, recomputed 0..7
+    assert got.recomputed == 8
+    assert got.fed.tolist() == list(range(100, 109))
+    assert got.rows["final"][:, 0].tolist() == [p * 10 + (3 if p < 8 else 4) for p in range(9)]
+    assert [s for s, _ in got.steps] == [5, 6, 8, 9]
+
+
+def test_assembly_names_a_missing_position():
+    assert "miss positions [5]" in assemble(_record([(0, 5), (6, 2)]))
+
+
+def test_multiprocess_engine_core_returns_the_same_rows(models, monkeypatch):
+    """The engine core in its own process (vLLM's default): the capture is reached through collective_rpc."""
+    from hsx.engine.vllm import VLLMRunner
+
+    batch = prompts(models, lengths=(5, 40))
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    mine = VLLMRunner(config(models, "vllm", layers="final,b0,b8")).run(batch)
+    from transformers import AutoModelForCausalLM
+
+    oracle = AutoModelForCausalLM.from_pretrained(models.target, dtype=torch.float32).eval()
+    for p, s in zip(batch, mine, strict=True):
+        assert isinstance(s, AlignedSample), s
+        assert s.input_ids[: len(p.input_ids)].tolist() == p.input_ids
+        src = oracle_sources(oracle, s.input_ids)
+        for name, source in (("final", "final"), ("b0", 0), ("b8", 8)):
+            ref = src[source][: s.hidden[name].shape[0]]
+            assert s.hidden[name].shape[0] == s.input_ids.numel() - 1
+            assert float((s.hidden[name] - ref).abs().max() / ref.abs().max()) < 1e-4

@@ -318,6 +318,30 @@ def test_a_live_lease_is_not_taken_and_a_lost_one_stops_commits(s3_env):
     assert json.loads((out / LEASE).read_text())["holder"] == "someone else", "a lost lease is not deleted"
 
 
+def test_of_two_successors_to_an_expired_lease_one_takes_it(s3_env, monkeypatch):
+    """Both read the expired lease; the one whose conditional put comes second is refused."""
+    from hsx.shards.store import ObjectPath
+
+    first, second = ObjectStore(s3_env.bucket), ObjectStore(s3_env.bucket)
+    first.put(f"race/{LEASE}", json.dumps({"holder": "dead", "pid": 1, "host": "gone", "ttl_s": 0}).encode())
+    winner = Lease(ObjectPath(second, "race"))
+    read = first.get_with_age
+
+    def read_then_the_other_takes_over(key):
+        got = read(key)
+        winner.acquire()
+        return got
+
+    monkeypatch.setattr(first, "get_with_age", read_then_the_other_takes_over)
+    try:
+        with pytest.raises(HsxError, match="took over the expired lease first"):
+            Lease(ObjectPath(first, "race")).acquire()
+        assert winner.taken_over["holder"] == "dead"
+        assert json.loads(second.get(f"race/{LEASE}"))["holder"] == winner.me["holder"]
+    finally:
+        winner.release()
+
+
 # --------------------------------------------------------------------------- the store stopped mid-run
 
 def test_the_store_stopped_mid_run_then_restarted_resumes_to_the_uninterrupted_output(model_dir, local_run,

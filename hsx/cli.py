@@ -30,6 +30,7 @@ export_app = typer.Typer(help="Write shards in another tool's layout.", no_args_
 app.add_typer(export_app, name="export")
 
 PathArg = Annotated[Path, typer.Argument(help="An hsx output directory (with its manifest) or one shard file.")]
+LocationArg = Annotated[str, typer.Argument(help="An hsx output directory (with its manifest), s3://BUCKET/PREFIX, or one shard file.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors (and the report).")]
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Also show the libraries' own progress bars, "
@@ -65,7 +66,7 @@ def _opt(help: str, *names: str, **kw):
 
 @app.command()
 def verify(
-    path: PathArg,
+    path: LocationArg,
     as_json: AsJson = False,
     recompute: Annotated[bool, _opt("Also re-run a teacher-forced forward of the model and check every stored row of every column against it.", "--recompute")] = False,
     model: Annotated[Optional[str], _opt("--recompute: the model to use (default: the path in the shard metadata); its config must match.")] = None,

@@ -204,6 +204,9 @@ def test_extract_into_the_store_equals_local_disk_and_reads_back_everywhere(s3_e
                                cache_dir=str(tmp_path / "hf"), split="train")
     assert sorted(ds["sample_id"]) == sorted(df["sample_id"])
 
+    checked = CliRunner().invoke(app, ["verify", out])
+    assert checked.exit_code == 0 and "verify: OK" in checked.output, checked.output
+
     again = CliRunner().invoke(app, extract_args(model_dir, out))  # the same command: all resumed
     assert again.exit_code == 0, again.output
     assert load_manifest(out).shards == m.shards

@@ -15,10 +15,12 @@ import torch
 from hsx.errors import ShardError
 from hsx.shards import format as fmt
 from hsx.shards import positions
+from hsx.shards.lease import LEASE
 from hsx.shards.lock import LOCK
 from hsx.shards.manifest import (CONFIG, LEGACY_CONFIG, LEGACY_MANIFEST, MANIFEST, Manifest, ShardEntry, load_manifest,
                                  shard_path)
 from hsx.shards.reader import load_shard
+from hsx.shards.store import as_path
 
 
 @dataclass
@@ -141,7 +143,7 @@ def _check_finite(table: pa.Table, meta: dict, ids: list[str]) -> list[str]:
 
 def verify(path: str | Path) -> VerifyReport:
     """Check a directory (manifest vs files, checksums, schema, alignment row counts, NaN/Inf) or one file."""
-    path = Path(path)
+    path = as_path(path)  # a local path, or s3://bucket/prefix
     report = VerifyReport(str(path))
     if path.is_file():
         report.shards.append(_verify_one(path, None, None))
@@ -152,7 +154,7 @@ def verify(path: str | Path) -> VerifyReport:
         report.faults.append(str(e))
         return report
     report.errors, report.complete, report.samples = len(m.errors), m.complete, m.num_samples
-    named = {s.file for s in m.shards} | {MANIFEST, CONFIG, LEGACY_MANIFEST, LEGACY_CONFIG, LOCK}
+    named = {s.file for s in m.shards} | {MANIFEST, CONFIG, LEGACY_MANIFEST, LEGACY_CONFIG, LOCK, LEASE}
     report.ignored = sorted(p.name for p in path.iterdir() if p.is_file() and p.name not in named)
     seen: set[str] = set()
     for entry in m.shards:

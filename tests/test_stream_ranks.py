@@ -124,7 +124,8 @@ def ranks_main(scenario: str, run_file: str, out_dir: str, vocab: int) -> None:
             result["losses"], result["left_over"] = losses, len(batch)
             if rank == 0:
                 result["stats"] = feed.source.stats()
-        elif scenario == "stop-then-kill":
+        elif scenario.startswith("stop-then-kill-"):
+            victim = int(scenario.rsplit("-", 1)[1])
             got = 0
             try:  # pass 0: rank 1 stops after 3 items; rank 0 cannot finish without it
                 for _ in feed:
@@ -135,10 +136,10 @@ def ranks_main(scenario: str, run_file: str, out_dir: str, vocab: int) -> None:
                 result["early"] = str(e)
             result["early_items"] = got
             got = 0
-            try:  # pass 1: rank 1 stops taking and is killed; rank 0 is held back, then told
+            try:  # pass 1: the victim stops taking and is killed; the other is held back, then told
                 for _ in feed:
                     got += 1
-                    if rank == 1 and got == 3:
+                    if rank == victim and got == 3:
                         (out / "paused.json").write_text(json.dumps({"pid": os.getpid()}))
                         time.sleep(HANG_GUARD)
             except HsxError as e:
@@ -318,20 +319,26 @@ def test_the_pool_holds_the_faster_rank_back(main_run):
     assert 0 < stats["max_in_flight"] <= stats["limit"] == 2 + 1  # workers + ceil(ahead / unit rows)
 
 
+KILLED = {1: "rank 1 is gone (in pass 1",  # seen by the pool through rank 1's lease
+          0: "rank 0, whose job holds it, stopped or died"}  # the pool ended with rank 0's job
+
+
 @pytest.mark.slow
-def test_a_rank_that_stops_or_dies_ends_the_pass_on_the_other(setup, cluster, tmp_path):
-    # a long monitor interval keeps torchrun's agent from stopping rank 0 itself once rank 1 dies:
-    # what rank 0 sees is the feed's own doing
-    proc = torchrun(setup, cluster, "stop-then-kill", tmp_path, monitor_interval=HANG_GUARD)
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_rank_that_stops_or_dies_ends_the_pass_on_the_other(setup, cluster, tmp_path, victim):
+    # a long monitor interval keeps torchrun's agent from stopping the survivor itself once the
+    # victim dies: what the survivor sees is the feed's own doing
+    survivor = 1 - victim
+    proc = torchrun(setup, cluster, f"stop-then-kill-{victim}", tmp_path, monitor_interval=HANG_GUARD)
     try:
         deadline = time.monotonic() + HANG_GUARD
         while not (tmp_path / "paused.json").exists():
             assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "torchrun.log").read_text()[-4000:]
             time.sleep(0.2)
-        victim = json.loads((tmp_path / "paused.json").read_text())["pid"]
-        os.kill(victim, signal.SIGKILL)  # rank 1, a worker of the torchrun this test started
-        while not (tmp_path / "rank0.json").exists():
-            assert time.monotonic() < deadline, "rank 0 hangs after rank 1 was killed"
+        pid = json.loads((tmp_path / "paused.json").read_text())["pid"]
+        os.kill(pid, signal.SIGKILL)  # a worker of the torchrun this test started
+        while not (tmp_path / f"rank{survivor}.json").exists():
+            assert time.monotonic() < deadline, f"rank {survivor} hangs after rank {victim} was killed"
             time.sleep(0.2)
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -339,11 +346,12 @@ def test_a_rank_that_stops_or_dies_ends_the_pass_on_the_other(setup, cluster, tm
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
-    result = json.loads((tmp_path / "rank0.json").read_text())
-    assert "rank 1 stopped its pass early in pass 0" in result["early"]
-    assert "rank 1 is gone (in pass 1" in result["killed"]
-    share = -(-NUM_RECORDS // 2) + 1  # rank 0's records and failures in a pass
-    assert result["early_items"] < share and result["killed_items"] < share  # held back, not run to the end
+    result = json.loads((tmp_path / f"rank{survivor}.json").read_text())
+    if survivor == 0:
+        assert "rank 1 stopped its pass early in pass 0" in result["early"]
+        assert result["early_items"] < -(-NUM_RECORDS // 2) + 1  # held back: not its whole share
+    assert KILLED[victim] in result["killed"], result["killed"]
+    assert result["killed_items"] < NUM_RECORDS // 2  # held back by the pool, not run to the end
 
 
 def test_share_splits_by_record_and_evens_the_remainder():

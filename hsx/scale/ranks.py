@@ -1,7 +1,7 @@
 """One pool of engine workers feeding every rank of a trainer that spans several processes.
 
-Rank 0 starts a :class:`FeedPool` actor on its own node (named after the job and the run, in Ray
-namespace ``hsx``) and hands it the dataset's rows; the pool starts the engine workers of
+Rank 0 starts a :class:`FeedPool` actor on its own node (named after the job, :func:`pool_name`, in
+Ray namespace ``hsx``) and hands it the dataset's rows; the pool starts the engine workers of
 ``extract --ray`` (:func:`~hsx.scale.ray_runner.start_workers`) and runs the same units. The other
 ranks find the pool by name. Every rank pulls every unit from the pool, in unit order: each unit
 comes as an index (the source row of each item and whether it is a failure) and one Ray object
@@ -51,9 +51,9 @@ class Entry(NamedTuple):
     ref: object  # a Ray ObjectRef to the item (encode_item's dict)
 
 
-def pool_name(cfg: ExtractConfig, world: int, group: str | None) -> str:
-    """The pool's actor name: the job (``group``, else torchrun's run id and restart count, else the
-    rendezvous address), the run (its config hash) and the number of ranks."""
+def pool_name(group: str | None) -> str:
+    """The pool's actor name: the job's ``group``, else torchrun's run id and restart count, else the
+    rendezvous address. Not the config: a rank with another config finds the pool and is refused."""
     if group is None:
         env = os.environ
         if "TORCHELASTIC_RUN_ID" in env:
@@ -62,7 +62,7 @@ def pool_name(cfg: ExtractConfig, world: int, group: str | None) -> str:
             group = f"{env.get('MASTER_ADDR', '')}-{env['MASTER_PORT']}"
         else:
             group = "default"
-    return f"hsx-feed-{group}-{cfg.fingerprint()}-{world}"
+    return f"hsx-feed-{group}"
 
 
 class RankLease:
@@ -77,7 +77,6 @@ class _Rank:
     pass_no: int = -1  # the last pass this rank took part in
     position: int = 0  # units of that pass it has taken
     status: str = "done"  # in | done (took every unit) | left (stopped early) | closed | gone (its process ended)
-    seen: float = 0.0  # when it last called
 
 
 class FeedPool:
@@ -131,7 +130,6 @@ class FeedPool:
             raise HsxError(f"rank {rank}'s config (hash {fingerprint}) is not rank 0's ({self.fingerprint}): "
                            "every rank must pass the same config")
         with self.cond:
-            self.ranks[rank].seen = time.monotonic()
             if lease is not None:
                 self.leases[rank] = lease
             if not self.ready and self.error is None:
@@ -163,6 +161,8 @@ class FeedPool:
         """Rank ``rank``'s process ended: mid-pass, the feed stops on every rank; after its last pass
         (the others may still be finishing theirs), only a further pass is refused."""
         with self.cond:
+            if rank not in self.leases:  # it closed its feed (and its lease) first
+                return
             r = self.ranks[rank]
             if r.status == "in" and self.error is None:
                 self.error = (f"rank {rank} is gone (in pass {r.pass_no}, after {r.position} of {len(self.units)} "
@@ -181,7 +181,6 @@ class FeedPool:
         deadline = time.monotonic() + POLL_SECONDS
         with self.cond:
             r = self.ranks[rank]
-            r.seen = time.monotonic()
             while True:
                 self._check(rank, pass_no)
                 if pass_no > self.pass_no:
@@ -369,7 +368,7 @@ class RankSource:
         self.pass_no, self.position, self.reason = -1, 0, ""  # the current (or last) pass, and where it stands
         address = cfg.ray_address or os.environ.get("RAY_ADDRESS") or "auto"  # one cluster for every rank, never a new one
         self.started = connect(replace(cfg, ray_address=address))
-        self.name = pool_name(cfg, world, group)
+        self.name = pool_name(group)
         try:
             if rank == 0:
                 self.pool = self._start_pool(ray, ahead_units)
@@ -395,8 +394,8 @@ class RankSource:
                                                 max_concurrency=self.world + 4, scheduling_strategy=here) \
                 .remote(self.cfg.to_dict(), self.world, ahead_units)
         except ValueError as e:
-            raise HsxError(f"rank 0: a feed named {self.name!r} already runs on this Ray cluster (another job with the "
-                           f"same config and ranks): pass group= to tell them apart ({e})") from None
+            raise HsxError(f"rank 0: a feed named {self.name!r} already runs on this Ray cluster (another feed of "
+                           f"this job, or another job): pass each its own group= ({e})") from None
         self._call(pool.start.remote(rows, dataset_meta))
         return pool
 

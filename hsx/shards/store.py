@@ -23,9 +23,7 @@ a path, a message, the saved config or the manifest.
 
 from __future__ import annotations
 
-import atexit
 import os
-import shutil
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -82,9 +80,12 @@ def open_input(path, local):
 
 
 def spool_file(path) -> Path:
-    """The local file a shard destined for ``path`` is encoded into: ``path`` itself when it is local."""
+    """The local file a shard destined for ``path`` is encoded into: ``path`` itself when it is local, else a
+    new file in the spool directory (removed once uploaded, or by the writer's abort)."""
     if isinstance(path, ObjectPath):
-        return path.store.spool() / f"{path.key.replace('/', '_')}"
+        fd, name = tempfile.mkstemp(prefix="hsx-spool-", suffix=f"-{path.name}", dir=path.store.spool())
+        os.close(fd)
+        return Path(name)
     return Path(path)
 
 
@@ -213,12 +214,13 @@ class ObjectStore:
             os.unlink(tmp)
 
     def spool(self) -> Path:
+        """Where shards are encoded before their upload, and downloaded for reading: ``HSX_SPOOL``, else
+        the temp directory."""
         if self._spool is None:
-            base = os.environ.get("HSX_SPOOL") or None
+            base = os.environ.get("HSX_SPOOL")
             if base:
                 Path(base).mkdir(parents=True, exist_ok=True)
-            self._spool = Path(tempfile.mkdtemp(prefix=f"hsx-spool-{self.bucket}-", dir=base))
-            atexit.register(shutil.rmtree, self._spool, True)  # files leave it as they are uploaded
+            self._spool = Path(base or tempfile.gettempdir())
         return self._spool
 
 

@@ -1,6 +1,6 @@
 """Records per second of a feed shared by two trainer ranks against one rank, on the same two engine workers.
 
-    python scripts/bench_stream_ranks.py [--samples 384] [--passes 3] [--repeats 2] [--mode prefill|generate]
+    python scripts/bench_stream_ranks.py [--samples 256] [--passes 4] [--repeats 4] [--mode prefill|generate]
                                          [--hidden 256] [--layers 4] [--cpus-per-worker 1] [--out FILE.json]
 
 The script starts a local Ray cluster (``--cluster-cpus``, default every core) and, on it, per repeat
@@ -104,9 +104,9 @@ def side(a, run_file: Path, world: int, out: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--samples", type=int, default=384)
-    p.add_argument("--passes", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--samples", type=int, default=256)
+    p.add_argument("--passes", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--mode", default="prefill", choices=["prefill", "generate"])
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--hidden", type=int, default=256)

@@ -40,6 +40,8 @@ NOT_RUN = {
         "an EAGLE3 stream from a user's run.toml and draft config; tests/test_stream.py runs Eagle3Stream",
     ("STREAM.md", 'feed = hsx.stream(dict(model=..., dataset=..., layers="final,eagle3", ray=True, num_workers=4,'):
         "a Ray cluster's config with placeholders; tests/test_stream.py runs the feed on a local Ray",
+    ("STREAM.md", 'feed = hsx.stream("run.toml", remainder="drop")'):
+        "one rank of a torchrun job on a Ray cluster; tests/test_stream_ranks.py runs two ranks under torchrun",
 }
 
 

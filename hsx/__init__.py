@@ -50,7 +50,8 @@ def tokens_loader(path, columns=None, where="all", batch_size=1024, shuffle_buff
 
 def stream(config, **kwargs):
     """Run ``config`` (an ExtractConfig, a dict or a config file) and yield its aligned samples as they
-    come, with no shards; see :class:`hsx.feed.Feed` (``ahead``, ``ordered``, ``progress``, ``verbose``: the libraries' loading bars)."""
+    come, with no shards; see :class:`hsx.feed.Feed` (``ahead``, ``ordered``, ``progress``, ``verbose``: the libraries' loading bars;
+    ``rank``, ``world_size``, ``remainder``, ``group``, ``rank_timeout``: one rank's share of a pool of Ray engines shared by a trainer's ranks)."""
     from hsx.feed import Feed
 
     return Feed(config, **kwargs)

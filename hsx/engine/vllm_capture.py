@@ -35,6 +35,9 @@ SUPPORTED = (0, 32)  # the vLLM minor release whose runner this module reads
 TAG = "hsx_tag"  # SamplingParams.extra_args key naming a request for the capture
 EXTENSION = "hsx.engine.vllm_capture.HsxWorkerExtension"
 FINAL_KEY = "final"
+# what the capture reads of the runner (docs/VLLM.md lists each with its file)
+RUNNER_ATTRIBUTES = ("execute_model_state", "sample_tokens", "input_batch", "requests", "query_start_loc", "positions",
+                     "input_ids", "use_aux_hidden_state_outputs", "get_model")
 
 
 def check_version(version: str) -> None:
@@ -163,6 +166,10 @@ class HsxWorkerExtension:
         forward, as the model holds them) and whether the runner schedules asynchronously.
         """
         runner = self.model_runner
+        missing = [a for a in RUNNER_ATTRIBUTES if not hasattr(runner, a)]
+        if missing:
+            return {"error": f"vLLM's model runner {type(runner).__name__} has no {missing}: hsx reads the V1 runner "
+                             "(GPUModelRunner, CPUModelRunner); on a GPU start vLLM with VLLM_USE_V2_MODEL_RUNNER=0"}
         if getattr(runner, "use_async_scheduling", False):
             return {"error": "the runner schedules asynchronously (its input ids are patched on the device after "
                              "the host copy hsx reads): start vLLM with async_scheduling=False"}

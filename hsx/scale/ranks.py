@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, replace
 from typing import Iterator, NamedTuple
@@ -82,8 +83,9 @@ class _Rank:
 class FeedPool:
     """The engine workers of a feed and every rank's place in the current pass (a threaded Ray actor)."""
 
-    def __init__(self, cfg: dict, world: int, ahead_units: int):
-        self.cfg = ExtractConfig.from_dict(cfg)
+    def __init__(self, cfg: dict, world: int, ahead_units: int, name: str):
+        self.cfg, self.name = ExtractConfig.from_dict(cfg), name
+        self.tokens: dict[int, str] = {}  # rank -> the process that joined as it
         self.world, self.ahead_units = world, ahead_units
         self.cond = threading.Condition()
         self.ranks = [_Rank() for _ in range(world)]
@@ -122,14 +124,18 @@ class FeedPool:
             self.cond.notify_all()
         threading.Thread(target=self._watch_leases, name="hsx-pool-leases", daemon=True).start()
 
-    def join(self, rank: int, world: int, fingerprint: str, lease) -> dict:
-        """``{"ready": False}`` while the workers start, then the run's metadata and row count."""
+    def join(self, rank: int, world: int, fingerprint: str, lease, token: str) -> dict:
+        """``{"ready": False}`` while the workers start, then the run's metadata and row count.
+        ``token`` is the joining process's own: a second process joining as the same rank is refused."""
         if world != self.world:
             raise HsxError(f"rank {rank} says world_size {world}; rank 0 started the feed for {self.world}")
         if fingerprint != self.fingerprint:
             raise HsxError(f"rank {rank}'s config (hash {fingerprint}) is not rank 0's ({self.fingerprint}): "
                            "every rank must pass the same config")
         with self.cond:
+            if self.tokens.setdefault(rank, token) != token:
+                raise HsxError(f"a second process joined the feed {self.name!r} as rank {rank} (two jobs under one "
+                               "name?): pass each job its own group=")
             if lease is not None:
                 self.leases[rank] = lease
             if not self.ready and self.error is None:
@@ -375,8 +381,9 @@ class RankSource:
             else:
                 self.lease = ray.remote(RankLease).options(num_cpus=0, max_restarts=0).remote()
                 self.pool = self._find_pool(ray)
+            token = uuid.uuid4().hex
             while True:
-                info = self._call(self.pool.join.remote(rank, world, cfg.fingerprint(), self.lease))
+                info = self._call(self.pool.join.remote(rank, world, cfg.fingerprint(), self.lease, token))
                 if info["ready"]:
                     break
             self.metadata, self.rows, self.workers = info["metadata"], range(info["rows"]), info["workers"]
@@ -392,7 +399,7 @@ class RankSource:
         try:
             pool = ray.remote(FeedPool).options(name=self.name, namespace=NAMESPACE, num_cpus=0, max_restarts=0,
                                                 max_concurrency=self.world + 4, scheduling_strategy=here) \
-                .remote(self.cfg.to_dict(), self.world, ahead_units)
+                .remote(self.cfg.to_dict(), self.world, ahead_units, self.name)
         except ValueError as e:
             raise HsxError(f"rank 0: a feed named {self.name!r} already runs on this Ray cluster (another feed of "
                            f"this job, or another job): pass each its own group= ({e})") from None

@@ -23,7 +23,6 @@ from hsx.config import ExtractConfig
 from hsx.core import Failure
 from hsx.errors import HsxError
 from hsx.feed import Padding, Share, ranks_from
-from hsx.shards.writer import Record
 
 NUM_ROWS = 47
 BAD = {5: {"id": "r5", "text": "   "}}  # an empty text: a failure

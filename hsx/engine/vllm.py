@@ -143,7 +143,7 @@ class VLLMRunner:
         if cfg.model_dtype != "auto":
             args["dtype"] = cfg.model_dtype
         if cfg.device != "auto":
-            raise_on_index(cfg.device)
+            _refuse_device_index(cfg.device)
         if algorithm is not None:
             spec = {"method": METHODS[algorithm], "num_speculative_tokens": steps}
             if algorithm == "NGRAM":
@@ -318,7 +318,7 @@ def _check_tokens(got: Assembled, prompt_ids: list[int], output: np.ndarray, mod
     return None
 
 
-def raise_on_index(device: str) -> None:
+def _refuse_device_index(device: str) -> None:
     """vLLM places its own workers: ``--device cuda:N`` cannot be honoured (CUDA_VISIBLE_DEVICES can)."""
     if ":" in device:
         raise HsxError(f"--device {device} with --engine vllm: vLLM picks its devices itself; use --device cuda "

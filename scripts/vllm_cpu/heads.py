@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 
-def _rewrite(src: Path, dst: Path, config: dict, weights: dict) -> Path:
+def _rewrite(dst: Path, config: dict, weights: dict) -> Path:
     dst.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in weights.items()}, str(dst / "model.safetensors"))
     (dst / "config.json").write_text(json.dumps(config, indent=1))
@@ -32,7 +32,7 @@ def vllm_eagle(src: Path, dst: Path) -> Path:
     assert float(weights.pop("fc.bias").abs().max()) == 0.0, "a non-zero fc.bias has no place in vLLM's EAGLE head"
     weights.pop("lm_head.weight")
     config["architectures"] = ["LlamaForCausalLM"]
-    return _rewrite(src, dst, config, weights)
+    return _rewrite(dst, config, weights)
 
 
 def vllm_eagle3(src: Path, dst: Path) -> Path:
@@ -48,7 +48,7 @@ def vllm_eagle3(src: Path, dst: Path) -> Path:
     eagle = dict(config["eagle_config"])
     eagle["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in eagle["eagle_aux_hidden_state_layer_ids"]]
     config["eagle_config"] = eagle
-    return _rewrite(src, dst, config, weights)
+    return _rewrite(dst, config, weights)
 
 
 def vllm_heads(models) -> tuple[Path, Path]:

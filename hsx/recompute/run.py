@@ -2,7 +2,8 @@
 
 ``recompute(path)`` reads shards; ``check_samples(reference, samples, groups, tol)`` checks
 samples already in memory (an engine's ``AlignedSample`` or a shard ``Sample``), for scripts
-that want the same verdicts without writing shards.
+that want the same verdicts without writing shards. Samples longer than the chunk setting are
+checked alone, a chunk of tokens at a time (:mod:`hsx.recompute.chunked`).
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def check_samples(
         if g.width != unit * len(g.sources):
             raise HsxError(f"column {g.name!r} is {g.width} wide for {len(g.sources)} source(s); the model's states "
                            f"are {unit} wide")
+    chunk = resolve_chunk(chunk)
     sizes = [chunk_for(chunk, R.token_ids(s).numel()) for s in samples]
     short = [k for k, size in enumerate(sizes) if size is None]
     results: list[SampleResult | None] = [None] * len(samples)

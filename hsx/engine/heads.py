@@ -93,7 +93,8 @@ class _Out:
     def logits(self) -> torch.Tensor:
         if self._logits is None:
             grad, inference = self._modes
-            with torch.set_grad_enabled(grad), torch.inference_mode(inference):
+            # in this order: inference_mode(False) turns grad mode on
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
                 self._logits = self._head.target_logits(self._normed)
             self._normed = None
         return self._logits

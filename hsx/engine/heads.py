@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from hsx.engine.layer_ids import ENGINE_RULES, RULE_KEY, head_marker, resolve_head_layers
 from hsx.errors import HsxError
 
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
@@ -119,6 +120,7 @@ class Eagle3Head(nn.Module):
         ids = aux_layer_ids(config)
         self.num_aux = int(config.get("num_aux_hidden_states") or (len(ids) if ids else 3))
         self.aux_ids = ids
+        self.head_config = dict(config)  # its ids and hsx marker: hsx.engine.layer_ids.resolve_head_layers
         self.draft_vocab = int(config.get("draft_vocab_size") or target_vocab)
         inter = int(config["intermediate_size"])
         self.norm_before_fc = bool(_eagle_config(config).get("norm_before_fc", config.get("norm_before_fc", False)))
@@ -197,7 +199,7 @@ class Eagle3Head(nn.Module):
         return logits
 
 
-def _check_config(path: Path, config: dict, tcfg) -> None:
+def _check_config(path: Path, config: dict, tcfg, model_type: str | None = None) -> None:
     where = f"EAGLE3 head {str(path)!r}"
     V, L, Ht = int(tcfg.vocab_size), int(tcfg.num_hidden_layers), int(tcfg.hidden_size)
     if int(config.get("num_hidden_layers", 1)) != 1:
@@ -216,8 +218,16 @@ def _check_config(path: Path, config: dict, tcfg) -> None:
     if int(config.get("vocab_size", V)) != V:
         raise HsxError(f"{where}: vocab_size {config.get('vocab_size')} but the target's vocabulary is {V}")
     ids = aux_layer_ids(config)
-    if ids is not None and (len(ids) == 0 or any(not 0 <= i < L for i in ids)):
-        raise HsxError(f"{where}: eagle_aux_hidden_state_layer_ids {ids} outside 0..{L - 1} for a {L}-layer target")
+    try:
+        marker = head_marker(config)
+        rule = marker[RULE_KEY] if marker else ENGINE_RULES["hf"]
+        top = L - 1 if rule == "sglang" else L  # SGLang's ids name blocks 0..L-1, vLLM's boundaries 0..L
+        if ids is not None and (len(ids) == 0 or any(not 0 <= i <= top for i in ids)):
+            raise HsxError(f"eagle_aux_hidden_state_layer_ids {ids} outside 0..{top} for a {L}-layer target "
+                           f"({rule} rule{'' if marker else ', no hsx marker'})")
+        resolve_head_layers(config, "hf", model_type, L)
+    except HsxError as e:
+        raise HsxError(f"{where}: {e}") from None
 
 
 def _expected(head: Eagle3Head) -> dict[str, torch.Tensor]:
@@ -259,7 +269,7 @@ def _check_weights(path: Path, head: Eagle3Head, shapes: dict[str, tuple]) -> No
 def _build(path: Path, target_config, target_embed) -> tuple[Eagle3Head, dict]:
     config = json.loads((path / "config.json").read_text())
     tcfg = target_config.get_text_config(decoder=True)
-    _check_config(path, config, tcfg)
+    _check_config(path, config, tcfg, getattr(target_config, "model_type", None))
     head = Eagle3Head(config, target_embed, int(tcfg.vocab_size), str(path))
     if head.target_hidden * head.num_aux == head.hidden_size:
         raise HsxError(f"EAGLE3 head {str(path)!r}: {head.num_aux} aux states of width {head.target_hidden} are as "

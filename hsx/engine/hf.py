@@ -39,7 +39,7 @@ from hsx.engine.heads import Eagle3Head, head_kind, load_eagle3_head
 from hsx.engine.batch_state import BatchState, admissible
 from hsx.engine.kv import KV
 from hsx.engine.kv import SlotLayer as _SlotLayer  # noqa: F401  (the cache layer, reached by tests under this name)
-from hsx.engine.layer_ids import sglang_boundaries
+from hsx.engine.layer_ids import resolve_head_layers, sglang_boundaries
 from hsx.engine.prompt_batch import PromptRows, pad_prompts, prompt_block, prompt_chunks, prompt_positions
 from hsx.engine.tree import DraftTree
 from hsx.errors import HsxError
@@ -442,11 +442,20 @@ class HFEngine:
 
 
 def head_aux_boundaries(head: Eagle3Head, target) -> tuple[int, ...]:
-    """The target boundaries an EAGLE3 head reads, by SGLang's rule for its layer ids (id + 1 for Llama-style
-    targets: the output of layer id; the model's default when the head names none)."""
+    """The target boundaries an EAGLE3 head reads: its layer ids by the rule its ``hsx`` marker names
+    (``vllm``: boundary = id), else by SGLang's rule (id + 1 for Llama-style targets: the output of layer
+    id), the rule of the heads this engine runs; the model's default when the head names none
+    (:func:`hsx.engine.layer_ids.resolve_head_layers`)."""
     num_layers = int(target.config.get_text_config(decoder=True).num_hidden_layers)
     model_type = getattr(target.config, "model_type", None)
-    bounds = sglang_boundaries(head.aux_ids, model_type, num_layers)
+    config = getattr(head, "head_config", None)
+    if config is None:  # a head built without its config dict: its ids, unmarked
+        config = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": head.aux_ids}}
+    try:
+        layers = resolve_head_layers(config, "hf", model_type, num_layers)
+    except HsxError as e:
+        raise HsxError(f"EAGLE3 head {head.path!r}: {e}") from None
+    bounds = layers.boundaries if layers.boundaries is not None else sglang_boundaries(None, model_type, num_layers)
     if len(bounds) != head.num_aux or any(not 0 <= b <= num_layers for b in bounds):
         raise HsxError(f"EAGLE3 head {head.path!r}: aux layer ids {head.aux_ids} read boundaries {list(bounds)}; "
                        f"expected {head.num_aux} boundaries within 0..{num_layers}")

@@ -6,10 +6,10 @@ from typing import Iterator
 
 import torch
 
-from hsx.align import LayerGroup, ModelShape, parse_layers
+from hsx.align import EAGLE3, LayerGroup, ModelShape, parse_layers
 from hsx.config import ExtractConfig
 from hsx.engine.batching import prefill_batches
-from hsx.engine.layer_ids import eagle3_ids_from_config
+from hsx.engine.layer_ids import eagle3_ids_from_config, resolve_head_layers
 from hsx.errors import HsxError
 from hsx.shards.format import DTYPES, dtype_of
 
@@ -60,9 +60,17 @@ class HFRunner:
         self.model_config = model.config
         self.shape = ModelShape.from_config(model.config)
         ids = cfg.eagle3_layer_ids
+        self.head_layers = None  # an EAGLE3 head's ids resolved (hsx.engine.layer_ids), recorded with the run
+        if getattr(draft, "head_config", None) is not None:
+            self.head_layers = resolve_head_layers(draft.head_config, "hf", getattr(model.config, "model_type", None),
+                                                   self.shape.num_layers)
         if ids is None and cfg.draft_model:
             ids = eagle3_ids_from_config(AutoConfig.from_pretrained(cfg.draft_model, trust_remote_code=remote))
         self.groups: list[LayerGroup] = parse_layers(cfg.layers, self.shape, ids)
+        if self.head_layers is not None and self.head_layers.boundaries is not None and (
+                cfg.eagle3_layer_ids is None or tuple(cfg.eagle3_layer_ids) == self.head_layers.head_ids):
+            # the column holds what the head reads, by the rule its ids follow (not parse_layers' generic + 1)
+            self.groups = [_head_group(g, self.head_layers) if g.name == EAGLE3 else g for g in self.groups]
         self.context_length = getattr(model.config, "max_position_embeddings", None)
         self.spec = SpecSettings(*cfg.spec_settings()) if cfg.speculative else None
         self.engine = HFEngine(model, self.groups, draft_model=draft, spec=self.spec, store_dtype=dtype_of(cfg.dtype),
@@ -86,9 +94,12 @@ class HFRunner:
         if self.spec is None:
             return None
         algorithm = "EAGLE3" if getattr(self.engine, "head", False) else "draft-model"
-        return {"algorithm": algorithm, "draft_model": self.cfg.draft_model, "num_steps": self.spec.num_steps,
-                "topk": self.spec.topk, "num_draft_tokens": self.spec.num_draft_tokens,
-                "tree": self.spec.topk > 1}
+        out = {"algorithm": algorithm, "draft_model": self.cfg.draft_model, "num_steps": self.spec.num_steps,
+               "topk": self.spec.topk, "num_draft_tokens": self.spec.num_draft_tokens,
+               "tree": self.spec.topk > 1}
+        if self.head_layers is not None:
+            out["aux_layers"] = {**self.head_layers.describe(), "boundaries": list(self.engine.aux_sources)}
+        return out
 
     def run(self, prompts) -> list:
         """One sample per prompt, in order, from one batch."""
@@ -117,6 +128,12 @@ class HFRunner:
         for rid, sample in self.engine.stream(requests, self.sampling, slots=cfg.batch_size,
                                               max_prefill_tokens=cfg.max_batch_tokens):
             yield by_id[rid], sample
+
+
+def _head_group(group: LayerGroup, layers) -> LayerGroup:
+    """The ``eagle3`` column of a run drafting with an EAGLE3 head: the boundaries its ids name by their rule."""
+    unit = group.width // len(group.sources)
+    return LayerGroup(EAGLE3, tuple(layers.boundaries), unit * len(layers.boundaries), layers.head_ids, layers.note())
 
 
 def build_engine(cfg: ExtractConfig):

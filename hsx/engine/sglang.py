@@ -25,29 +25,34 @@ once more on its own. The rows pass through the alignment core's :class:`~hsx.al
 like the transformers engine's.
 
 Which layer: SGLang's aux capture ids are "input of layer id+1" for most models, i.e. boundary
-id+1 (see :func:`hsx.engine.layer_ids.sglang_boundaries`).
+id+1 (see :func:`hsx.engine.layer_ids.sglang_boundaries`). An EAGLE3 draft whose ``hsx`` marker says its
+ids follow vLLM's rule (boundary = id) is handed to SGLang as a copy whose config names SGLang's ids for
+the same boundaries (:func:`hsx.engine.layer_ids.resolve_head_layers`).
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import shutil
 import tempfile
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from hsx.align import FINAL, Collector, LayerGroup, ModelShape, parse_layers, teacher_forced
+from hsx.align import EAGLE3, FINAL, Collector, LayerGroup, ModelShape, parse_layers, teacher_forced
 from hsx.config import ExtractConfig
-from hsx.engine.layer_ids import eagle3_ids_from_config, sglang_boundaries, sglang_ids_for
+from hsx.engine.layer_ids import RULE_KEY, HeadLayers, head_marker, resolve_head_layers, sglang_boundaries, sglang_ids_for
 from hsx.engine.sglang_capture import ERROR, PREFILL, CaptureSpec, Column, check_version, discard, read_records
 from hsx.errors import AlignmentError, HsxError, SampleError
 from hsx.shards.format import DTYPE_NAMES, DTYPES, dtype_of
 
+log = logging.getLogger("hsx")
 MIN_VERSION = "0.5.23"  # spec-V2 verify keeps every request's accepted rows (dropped/misattributed before)
 SPEC_ALGORITHMS = ("EAGLE", "EAGLE3")
 REFUSED_ALGORITHMS = {
@@ -92,6 +97,7 @@ class _Plan:
     engine_args: dict
     algorithm: str | None  # speculative algorithm actually running, None without speculation
     capture: CaptureSpec | None = None  # None: SGLang's float lists (--sglang-capture lists)
+    head: HeadLayers | None = None  # the EAGLE3 draft's ids resolved, recorded with the run
 
     @property
     def group(self) -> LayerGroup:
@@ -169,11 +175,17 @@ class SGLangRunner:
         if algorithm is None and cfg.speculative:
             raise HsxError("--draft-model/--spec-* with --engine sglang need --spec-algorithm EAGLE or EAGLE3")
         model_type = getattr(self.model_config, "model_type", None)
-        draft_ids = eagle3_ids_from_config(draft_config) if draft_config is not None and algorithm == "EAGLE3" else None
-        if draft_ids is not None and cfg.eagle3_layer_ids is not None and list(cfg.eagle3_layer_ids) != draft_ids:
+        head = self._head_layers(algorithm, draft_config, model_type)
+        head_ids = None if head is None or head.head_ids is None else list(head.head_ids)
+        if head_ids is not None and cfg.eagle3_layer_ids is not None and list(cfg.eagle3_layer_ids) != head_ids:
             raise HsxError(f"--eagle3-layer-ids {cfg.eagle3_layer_ids} differ from the draft config's "
-                           f"{draft_ids}, which is what SGLang captures under EAGLE3")
+                           f"{head_ids}, which is what SGLang captures under EAGLE3")
+        # the ids SGLang will read: the head's, or those of the copy hsx hands it (a head whose ids follow vLLM's rule)
+        draft_ids = None if head is None or head.ids is None else list(head.ids)
         groups = parse_layers(cfg.layers, self.shape, cfg.eagle3_layer_ids if cfg.eagle3_layer_ids is not None else draft_ids)
+        if head is not None and head.boundaries is not None:
+            groups = [LayerGroup(g.name, head.boundaries, g.width, head.head_ids, head.note()) if g.name == EAGLE3 else g
+                      for g in groups]
         args = {"model_path": cfg.model, "random_seed": cfg.seed, **REQUIRED_ARGS}
         if cfg.trust_remote_code:
             args["trust_remote_code"] = True
@@ -201,7 +213,7 @@ class SGLangRunner:
             args.update(speculative_algorithm=algorithm, speculative_num_steps=steps,
                         speculative_eagle_topk=topk, speculative_num_draft_tokens=draft_tokens)
             if cfg.draft_model:
-                args["speculative_draft_model_path"] = cfg.draft_model
+                args["speculative_draft_model_path"] = self._draft_path(head)
         clash = {k: v for k, v in cfg.engine_args.items() if k in args and args[k] != v}
         fixed = sorted(k for k in clash if k in REQUIRED_ARGS)
         if fixed:
@@ -213,7 +225,41 @@ class SGLangRunner:
         args.update(cfg.engine_args)
         if capture is not None:
             args["forward_hooks"] = list(args.get("forward_hooks") or []) + [capture.hook()]
-        return _Plan(groups, args, algorithm, capture)
+        return _Plan(groups, args, algorithm, capture, head)
+
+    def _head_layers(self, algorithm, draft_config, model_type) -> HeadLayers | None:
+        """The draft's aux layer ids resolved for SGLang (:func:`resolve_head_layers`); a head converted for vLLM
+        under EAGLE is refused (SGLang's EAGLE runs the ``LlamaForCausalLMEagle`` original)."""
+        if draft_config is None or algorithm not in ("EAGLE", "EAGLE3"):
+            return None
+        if algorithm == "EAGLE":
+            marker = head_marker(draft_config)
+            if marker and marker[RULE_KEY] == "vllm":
+                raise HsxError(f"--draft-model {self.cfg.draft_model}: its hsx marker says it is a head in vLLM's format "
+                               "(written by hsx export vllm-head); SGLang's EAGLE loads the SGLang-format original "
+                               "(LlamaForCausalLMEagle) it was converted from")
+            return None
+        try:
+            return resolve_head_layers(draft_config, "sglang", model_type, self.shape.num_layers)
+        except HsxError as e:
+            raise HsxError(f"--draft-model {self.cfg.draft_model}: {e}") from None
+
+    def _draft_path(self, head: HeadLayers | None) -> str:
+        """The draft directory SGLang is given: the head itself, or, when its ids follow vLLM's rule, a copy whose
+        config names SGLang's ids for the same boundaries (its weight files linked), removed at exit."""
+        if head is None or not head.needs_rewrite:
+            return self.cfg.draft_model
+        from hsx.eagle3.vllm_head import write_ids_copy
+
+        where = tempfile.mkdtemp(prefix="hsx-head-")
+        atexit.register(shutil.rmtree, where, True)
+        copy = write_ids_copy(self.cfg.draft_model, Path(where) / "head", list(head.ids), "sglang", head.boundaries)
+        log.warning("--draft-model %s names aux layer ids %s by vLLM's rule (boundaries %s); SGLang reads ids by its "
+                    "own rule, so hsx hands it a copy whose config names ids %s for the same boundaries: %s (weights "
+                    "linked, removed at exit)", self.cfg.draft_model, list(head.head_ids), list(head.boundaries),
+                    list(head.ids), copy)
+        self._draft_copy = str(copy)
+        return str(copy)
 
     def _list_group(self, groups, algorithm, draft_ids, model_type, args) -> LayerGroup:
         """SGLang's float lists: one column per request, and which one depends on the algorithm."""
@@ -319,8 +365,13 @@ class SGLangRunner:
         if self.plan.algorithm is None:
             return None
         steps, topk, draft_tokens = self.cfg.spec_settings()
-        return {"algorithm": self.plan.algorithm, "draft_model": self.cfg.draft_model, "num_steps": steps,
-                "topk": topk, "num_draft_tokens": draft_tokens, "tree": topk > 1}
+        out = {"algorithm": self.plan.algorithm, "draft_model": self.cfg.draft_model, "num_steps": steps,
+               "topk": topk, "num_draft_tokens": draft_tokens, "tree": topk > 1}
+        if self.plan.head is not None:
+            out["aux_layers"] = self.plan.head.describe()
+            if self.plan.head.needs_rewrite:  # SGLang read the copy (engine_ids), not the head's own config
+                out["aux_layers"]["copy_read"] = getattr(self, "_draft_copy", None)
+        return out
 
     # ---- requests ------------------------------------------------------------------------
 

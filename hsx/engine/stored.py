@@ -13,6 +13,10 @@ rows of that sample (:mod:`hsx.recompute.agreement`). A disagreement stops the r
 sample and the column: it is no fault of one input row but a sign that the model's weights
 (which the config hash does not cover) or the source's rows are not what its metadata says, and
 error records would let such a run finish with every sample an error.
+
+The columns the run will share with the source are worked out before any weight loads, with
+``--eagle3-layer-ids`` read by the rule of the engine that captures them (vLLM: boundary = id; the
+others: + 1, :func:`planned_groups`), and again with the columns the engine made.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ from typing import Iterator
 
 import torch
 
-from hsx.align import AlignedSample, ModelShape, parse_layers
+from hsx.align import EAGLE3, AlignedSample, LayerGroup, ModelShape, parse_layers
 from hsx.config import ExtractConfig
 from hsx.data.stored import adopt_source
+from hsx.engine.layer_ids import eagle3_ids_as_boundaries
 from hsx.errors import HsxError, SampleError
 from hsx.output import differences
 from hsx.recompute.agreement import Shared, agreement_tolerance, disagreement, shared_sources
@@ -39,23 +44,29 @@ class StoredTokensRunner:
     def __init__(self, cfg: ExtractConfig, build):
         import hsx
 
-        self.where, self.mode = cfg.dataset, cfg.mode
+        self.where, self.mode, self.layers = cfg.dataset, cfg.mode, cfg.layers
         self.source = hsx.open(cfg.dataset)
         meta = self.source.metadata
         _check_adopted(cfg)
         shape = _check_model(cfg, meta.get("model") or {})
-        self.shared = shared_sources(parse_layers(cfg.layers, shape, cfg.eagle3_layer_ids), meta["layers"], cfg.dataset)
-        if not self.shared:
-            have = ", ".join(g["name"] for g in meta["layers"])
-            raise HsxError(f"--layers {cfg.layers!r} shares no column with {cfg.dataset} ({have}): add one of them, so "
-                           "that the pass over its tokens can be checked against its rows")
+        # checked before any weight loads, with the columns the engine will make, then again with the ones it made
+        self.shared = self._shared(planned_groups(cfg, shape), meta)
         self.inner = build(dataclasses.replace(cfg, mode="prefill", keep="all"))
+        self.shared = self._shared(self.inner.groups, meta)
         self.groups, self.shape = self.inner.groups, self.inner.shape
         self.tokenizer, self.context_length = self.inner.tokenizer, self.inner.context_length
         self.model_config, self.name = self.inner.model_config, self.inner.name
         stored = str(dtype_of(cfg.dtype)).removeprefix("torch.")  # what the engine hands over (lossy: bfloat16)
         self.tol = agreement_tolerance(meta, self.inner.describe().get("compute_dtype"), stored)
         self.speculative = meta.get("speculative")
+
+    def _shared(self, groups, meta) -> list[Shared]:
+        shared = shared_sources(groups, meta["layers"], self.where)
+        if not shared:
+            have = ", ".join(g["name"] for g in meta["layers"])
+            raise HsxError(f"--layers {self.layers!r} shares no column with {self.where} ({have}): add one of them, "
+                           "so that the pass over its tokens can be checked against its rows")
+        return shared
 
     def describe(self) -> dict:
         return self.inner.describe()
@@ -99,6 +110,19 @@ class StoredTokensRunner:
                 f"run's teacher-forced pass over the same tokens (worst at position {int(pos[worst])}: relative error "
                 f"{rel:.3g}, limit {self.tol.rel:.3g}). The source's rows or the model's weights are not what its "
                 f"metadata says; `hsx verify --recompute {self.where}` diagnoses its rows")
+
+
+def planned_groups(cfg: ExtractConfig, shape: ModelShape) -> list[LayerGroup]:
+    """The columns ``cfg``'s engine will make, known before it loads: ``--eagle3-layer-ids`` read by the rule of
+    the engine that captures them (:func:`hsx.engine.layer_ids.eagle3_ids_as_boundaries`: vLLM boundary = id,
+    the others + 1), not by one rule for all (a run over an output has no draft model)."""
+    groups = parse_layers(cfg.layers, shape, None)
+    if cfg.eagle3_layer_ids is None:
+        return groups
+    bounds, rule = eagle3_ids_as_boundaries(cfg.eagle3_layer_ids, cfg.engine, shape.num_layers)
+    raw = tuple(int(i) for i in cfg.eagle3_layer_ids)
+    return [LayerGroup(EAGLE3, tuple(sorted(bounds)) if cfg.engine == "vllm" else bounds, g.width, raw, rule)
+            if g.name == EAGLE3 else g for g in groups]
 
 
 def _fed(prompt, rows: int):

@@ -16,7 +16,9 @@ Columns: ``final`` is the forward's post-norm output. Boundaries come from vLLM'
 (``set_aux_hidden_state_layers``): vLLM's layer id ``i`` is the input of layer ``i``, i.e. hsx boundary
 ``i`` (id 0 the embedding output, id L the last block's output before the norm). Under EAGLE3 the aux
 layers are the draft's ``eagle_aux_hidden_state_layer_ids`` as vLLM reads them (no +1, unlike
-SGLang); without speculation and under n-gram hsx sets them. Under EAGLE the draft reads the final
+SGLang); a draft whose ``hsx`` marker says its ids follow SGLang's rule is refused, naming ``hsx export
+vllm-head`` (:func:`hsx.engine.layer_ids.resolve_head_layers`); without speculation and under n-gram hsx
+sets them. Under EAGLE the draft reads the final
 state, and turning aux outputs on would feed it the aux states instead, so only ``final`` is taken.
 """
 
@@ -30,7 +32,8 @@ import torch
 
 from hsx.align import EAGLE3, FINAL, Collector, LayerGroup, ModelShape, parse_layers, teacher_forced
 from hsx.config import ExtractConfig
-from hsx.engine.layer_ids import eagle3_ids_from_config
+from hsx.engine.layer_ids import (CONVERT_FOR_VLLM, RULE_KEY, HeadLayers, eagle3_ids_as_boundaries, head_marker,
+                                  resolve_head_layers)
 from hsx.engine.vllm_capture import EXTENSION, TAG, Assembled, assemble, check_version, source_key
 from hsx.errors import AlignmentError, HsxError, SampleError
 from hsx.shards.format import dtype_of
@@ -62,6 +65,7 @@ class _Plan:
     algorithm: str | None  # EAGLE, EAGLE3, NGRAM, or None without speculation
     aux: tuple[int, ...]  # boundaries taken from vLLM's aux hidden states, low to high
     set_aux: bool  # hsx sets the aux layers (vLLM does under EAGLE3)
+    head: HeadLayers | None = None  # the EAGLE3 draft's ids resolved, recorded with the run
 
 
 class VLLMRunner:
@@ -115,14 +119,15 @@ class VLLMRunner:
         if algorithm is not None and (topk != 1 or draft_tokens != steps + 1):
             raise HsxError(f"--spec-topk {topk} / --spec-num-draft-tokens {draft_tokens}: vLLM 0.32 verifies chains "
                            f"only (topk 1, num_steps + 1 = {steps + 1} draft tokens)")
-        draft_ids = eagle3_ids_from_config(draft_config) if algorithm == "EAGLE3" else None
+        head = self._head_layers(algorithm, draft_config)
+        draft_ids = None if head is None or head.head_ids is None else list(head.head_ids)
         if algorithm == "EAGLE3" and draft_ids is None:
             raise HsxError(f"--draft-model {cfg.draft_model}: the EAGLE3 head's config names no "
                            "eagle_aux_hidden_state_layer_ids; hsx needs them to say which boundaries vLLM feeds it")
         if draft_ids is not None and cfg.eagle3_layer_ids is not None and list(cfg.eagle3_layer_ids) != draft_ids:
             raise HsxError(f"--eagle3-layer-ids {cfg.eagle3_layer_ids} differ from the draft config's {draft_ids}, "
                            "which is what vLLM captures under EAGLE3")
-        groups = self._groups(draft_ids if draft_ids is not None else cfg.eagle3_layer_ids)
+        groups = self._groups(draft_ids if draft_ids is not None else cfg.eagle3_layer_ids, head)
         bounds = tuple(sorted({s for g in groups for s in g.sources if s != FINAL}))
         if algorithm == "EAGLE3":
             missing = [b for b in bounds if b not in draft_ids]
@@ -167,19 +172,44 @@ class VLLMRunner:
             raise HsxError(f"engine_args {sorted(clash)} conflict with options hsx sets from its own configuration "
                            f"({ {k: args[k] for k in clash} }); set them through the config fields")
         args.update(extra)
-        return _Plan(groups, args, algorithm, aux, set_aux)
+        return _Plan(groups, args, algorithm, aux, set_aux, head)
 
-    def _groups(self, eagle3_ids) -> list[LayerGroup]:
+    def _head_layers(self, algorithm, draft_config) -> HeadLayers | None:
+        """The draft's aux layer ids resolved for vLLM (:func:`resolve_head_layers`); a head whose ids follow
+        SGLang's rule (its ``hsx`` marker says so) is refused: vLLM reads the ids from the file as boundaries."""
+        if draft_config is None or algorithm not in ("EAGLE", "EAGLE3"):
+            return None
+        marker = head_marker(draft_config)
+        convert = f"{CONVERT_FOR_VLLM} {self.cfg.draft_model} DST --model {self.cfg.model}"
+        if algorithm == "EAGLE":
+            if marker and marker[RULE_KEY] == "sglang":
+                raise HsxError(f"--draft-model {self.cfg.draft_model}: its hsx marker says it is an SGLang-format head; "
+                               f"vLLM loads its own format: `{convert}`, then --draft-model DST")
+            return None
+        try:
+            head = resolve_head_layers(draft_config, "vllm", getattr(self.model_config, "model_type", None),
+                                       self.shape.num_layers)
+        except HsxError as e:
+            raise HsxError(f"--draft-model {self.cfg.draft_model}: {e}") from None
+        if head.needs_rewrite:
+            raise HsxError(
+                f"--draft-model {self.cfg.draft_model}: its hsx marker says its aux layer ids {list(head.head_ids)} follow "
+                f"SGLang's rule (boundaries {list(head.boundaries)}); vLLM reads the ids in the file as boundaries and "
+                f"would feed it boundaries {list(head.head_ids)}. Convert it (ids {list(head.ids)}, and the weights as "
+                f"vLLM 0.32 loads them): `{convert}`, then --draft-model DST")
+        return head
+
+    def _groups(self, eagle3_ids, head: HeadLayers | None = None) -> list[LayerGroup]:
         """``--layers`` with vLLM's id rule for ``eagle3`` (boundary = id; default (2, L//2, L-3))."""
         groups = parse_layers(self.cfg.layers, self.shape, None)
         out = []
         for g in groups:
             if g.name == EAGLE3 and eagle3_ids is not None:
                 ids = tuple(int(i) for i in eagle3_ids)
-                if len(ids) != 3 or not all(0 <= i <= self.shape.num_layers for i in ids):
-                    raise HsxError(f"EAGLE3 layer ids {list(ids)}: vLLM needs 3 ids in 0..{self.shape.num_layers}")
-                g = LayerGroup(EAGLE3, tuple(sorted(ids)), g.width, ids,
-                               "vLLM: boundary = id (input of layer id), concatenated low to high")
+                bounds, rule = eagle3_ids_as_boundaries(ids, "vllm", self.shape.num_layers)
+                if head is not None:
+                    rule = f"{rule}; {head.note()}"
+                g = LayerGroup(EAGLE3, tuple(sorted(bounds)), g.width, ids, f"{rule}, concatenated low to high")
             elif g.name == EAGLE3:
                 g = LayerGroup(EAGLE3, g.sources, g.width, None, "vLLM default (2, L//2, L-3): inputs of those layers")
             out.append(g)
@@ -221,8 +251,11 @@ class VLLMRunner:
         if self.plan.algorithm is None:
             return None
         steps, _, _ = self.cfg.spec_settings()
-        return {"algorithm": self.plan.algorithm, "draft_model": self.cfg.draft_model, "num_steps": steps,
-                "topk": 1, "num_draft_tokens": steps + 1, "tree": False}
+        out = {"algorithm": self.plan.algorithm, "draft_model": self.cfg.draft_model, "num_steps": steps,
+               "topk": 1, "num_draft_tokens": steps + 1, "tree": False}
+        if self.plan.head is not None:
+            out["aux_layers"] = self.plan.head.describe()
+        return out
 
     # ---- requests ------------------------------------------------------------------------
 

@@ -332,6 +332,21 @@ def export_saelens(
                f"{s.dropped_tokens} token(s) dropped (last partial context / short samples); {state}")
 
 
+@export_app.command("vllm-head")
+def export_vllm_head(
+    src: Annotated[Path, typer.Argument(help="An EAGLE3 (LlamaForCausalLMEagle3, SpecForge's) or EAGLE (LlamaForCausalLMEagle) head in SGLang's format.")],
+    dst: Annotated[Path, typer.Argument(help="Output directory for the head in vLLM 0.32's format (config.json, model.safetensors).")],
+    model: Annotated[Optional[str], _opt("The target model: needed for a head whose config has no hsx marker (SGLang's id rule depends on the target); checks widths and vocabulary when given.")] = None,
+    force: Annotated[bool, _opt("Replace DST if it exists and is not empty.", "--force")] = False,
+    trust_remote_code: Annotated[bool, _opt("Let transformers run the target config's own code.", "--trust-remote-code")] = False,
+) -> None:
+    """Rewrite an SGLang-format draft head as vLLM loads it: aux layer ids as vLLM reads them, d2t folded, marked "vllm"."""
+    from hsx.eagle3.vllm_head import convert_vllm_head
+
+    done = convert_vllm_head(src, dst, model=model, overwrite=force, trust_remote_code=trust_remote_code)
+    typer.echo(done.describe())
+
+
 def main() -> None:
     try:
         app()

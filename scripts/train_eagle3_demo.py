@@ -105,7 +105,8 @@ def export_sglang_head(model: DraftHead, out: Path, target: str, aux_boundaries,
     Same computation, SGLang's names and conventions: this head rotates interleaved pairs (2i, 2i+1)
     of each head, SGLang's Llama rotates halves (i, i + d/2) at the same frequencies, so the q and k
     rows of every head are reordered (scores are unchanged). SGLang captures boundary ``id + 1`` for
-    a Llama target, so the aux ids are the boundaries minus one. Full draft vocabulary: d2t = 0.
+    a Llama target, so the aux ids are the boundaries minus one, and the config's ``hsx`` marker says
+    so (``aux_layer_ids_rule: "sglang"``, ``aux_boundaries``). Full draft vocabulary: d2t = 0.
     """
     from safetensors.torch import save_file
     from transformers import AutoConfig
@@ -133,7 +134,10 @@ def export_sglang_head(model: DraftHead, out: Path, target: str, aux_boundaries,
               "max_position_embeddings": tcfg.max_position_embeddings, "tie_word_embeddings": False, "torch_dtype": "float32",
               "bos_token_id": tcfg.bos_token_id, "eos_token_id": tcfg.eos_token_id, "pad_token_id": tcfg.pad_token_id,
               "eagle_config": {"eagle_aux_hidden_state_layer_ids": [b - 1 for b in aux_boundaries],
-                               "use_aux_hidden_state": True, "norm_before_fc": norm_before_fc}}
+                               "use_aux_hidden_state": True, "norm_before_fc": norm_before_fc},
+              # which rule the ids follow, and the boundaries they name (docs/EAGLE3.md): vLLM needs
+              # `hsx export vllm-head` first, and refuses this head without it
+              "hsx": {"aux_layer_ids_rule": "sglang", "aux_boundaries": [int(b) for b in aux_boundaries]}}
     out.mkdir(parents=True, exist_ok=True)
     save_file({n: t.detach().float().contiguous() if t.is_floating_point() else t.contiguous() for n, t in w.items()},
               str(out / "model.safetensors"))

@@ -173,3 +173,84 @@ def test_list_tripwire(tmp_path, capture):
         assert proc.returncode != 0 and "LaneListPathTaken" in out, out[-3000:]
     else:
         assert proc.returncode == 0 and "ROWS" in proc.stdout, out[-3000:]
+
+
+# ---- one EAGLE3 head config on SGLang, the transformers engine and (converted) vLLM's format ----------------
+
+CPU_ARGS = ["--device", "cpu", "--model-dtype", "float32", "--attention-backend", "torch_native",
+            "--engine-arg", "sampling_backend=pytorch", "--engine-arg", "disable_cuda_graph=true",
+            "--engine-arg", "mem_fraction_static=0.05", "--engine-arg", "max_total_tokens=16384",
+            "--engine-arg", "context_length=1024", "--engine-arg", "sleep_on_idle=true"]
+HEAD_RUN = ["--dtype", "float32", "--layers", "final,eagle3", "--max-new-tokens", "10", "--batch-size", "3",
+            "--spec-num-steps", "3"]
+WORDS = ["the cat sat on a mat", "speculative decoding", "hidden states are rows"]
+
+
+def _hsx(python: str, args: list[str], env: dict) -> None:
+    import subprocess
+
+    done = subprocess.run([python, "-c", "from hsx.cli import main; main()", *args], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return done
+
+
+def test_one_head_config_names_the_same_boundaries_on_sglang_and_the_transformers_engine(tmp_path):
+    """The demo's EAGLE3 head (ids [1, 3, 5], SGLang's rule: boundaries 2, 4, 6) and the same head converted by
+    ``hsx export vllm-head`` (ids [2, 4, 6], marked "vllm"): on a real SGLang both give boundaries 2, 4, 6 (hsx
+    hands SGLang a copy of the converted head whose config names SGLang's ids [1, 3, 5]), the same drafts
+    (accept lengths) and the rows of the transformers engine's run of the SGLang head (within 1e-4).
+    SGLang runs in subprocesses (it ends its parent when its scheduler fails); the transformers engine in
+    hsx's own virtualenv ($HSX_VENV, default .venv: the lane's transformers is older than it needs)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    import hsx
+    from hsx.demo.spec_models import build_spec_models
+
+    root = Path(__file__).resolve().parents[1]
+    models = build_spec_models(tmp_path / "models")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": w * (i + 1)}) + "\n" for i, w in enumerate(WORDS)))
+    lane_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as scripts/sglang_cpu.sh runs hsx
+    converted = tmp_path / "vllm-eagle3"
+    _hsx(sys.executable, ["export", "vllm-head", str(models.eagle3), str(converted), "--model", str(models.target)],
+         lane_env)
+    runs = {"sglang": models.eagle3, "sglang-vllm-head": converted}
+    for name, head in runs.items():
+        done = _hsx(sys.executable, ["extract", "--engine", "sglang", "--spec-algorithm", "EAGLE3", "--model",
+                                     str(models.target), "--draft-model", str(head), "--dataset", str(data), "-o",
+                                     str(tmp_path / name), *HEAD_RUN, *CPU_ARGS],
+                    {**lane_env, "HSX_LANE_FORBID_LISTS": "1"})
+        if name == "sglang-vllm-head":
+            assert "hsx hands it a copy whose config names ids [1, 3, 5]" in done.stderr, done.stderr[-3000:]
+    python = Path(os.environ.get("HSX_VENV", root / ".venv")) / "bin" / "python"
+    assert python.exists(), f"{python}: hsx's virtualenv (bash scripts/setup.sh, or set HSX_VENV)"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SGLANG_", "VIRTUAL_ENV", "PYTHONPATH",
+                                                                    "TRITON_", "HSX_LANE"))}
+    _hsx(str(python), ["extract", "--engine", "hf", "--model", str(models.target), "--draft-model", str(models.eagle3),
+                       "--dataset", str(data), "-o", str(tmp_path / "hf"), "--device", "cpu", "--model-dtype", "float32",
+                       *HEAD_RUN], {**env, "PYTHONPATH": str(root)})
+
+    outs = {name: hsx.open(str(tmp_path / name)) for name in ("hf", "sglang", "sglang-vllm-head")}
+    for name, out in outs.items():
+        eagle3 = next(g for g in out.metadata["layers"] if g["name"] == "eagle3")
+        assert eagle3["sources"] == [2, 4, 6], name
+        assert out.metadata["speculative"]["aux_layers"]["boundaries"] == [2, 4, 6], name
+    aux = outs["sglang-vllm-head"].metadata["speculative"]["aux_layers"]
+    assert (aux["aux_layer_ids_rule"], aux["head_ids"], aux["engine_ids"]) == ("vllm", [2, 4, 6], [1, 3, 5])
+    assert outs["sglang"].metadata["speculative"]["aux_layers"]["rule_from"] == "engine default"
+    ref = outs["hf"]
+    for name in ("sglang", "sglang-vllm-head"):
+        assert sorted(s.sample_id for s in outs[name]) == sorted(s.sample_id for s in ref), name
+        for s in ref:
+            t = outs[name][s.sample_id]
+            assert t.input_ids.tolist() == s.input_ids.tolist(), (name, s.sample_id)
+            for column in ("eagle3", "final"):
+                x, y = s.hidden(column).float(), t.hidden(column).float()
+                assert x.shape == y.shape and x.shape[0] > 0, (name, s.sample_id, column)
+                err = float((x - y).abs().max() / x.abs().max())
+                assert err < 1e-4, (name, s.sample_id, column, err)
+    for s in outs["sglang"]:  # the converted head drafts as the original: the same accept lengths
+        assert outs["sglang-vllm-head"][s.sample_id].accept_lens.tolist() == s.accept_lens.tolist(), s.sample_id

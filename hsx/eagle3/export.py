@@ -31,10 +31,11 @@ from typing import Mapping
 
 import torch
 
-from hsx.eagle3.dataset import Eagle3Dataset, load_draft_config
+from hsx.eagle3.dataset import Eagle3Dataset, check_eagle3_layout, load_draft_config
 from hsx.eagle3.vocab import count_loss_tokens, vocab_mapping
 from hsx.errors import HsxError
-from hsx.export.files import atomic_write, inside
+from hsx.export.files import all_finite, atomic_write, inside, own
+from hsx.shards.reader import open_shards
 
 GROUP = 2000  # files per rows_* directory, SpecForge's default --file-group-size
 INDEX = "hsx_index.jsonl"
@@ -119,7 +120,11 @@ def export_specforge(src: str | Path, dst: str | Path, *, draft_vocab_size: int 
     from tqdm import tqdm
 
     draft = load_draft_config(draft_config)
-    ds = Eagle3Dataset(src, draft)
+    # one pass in dataset order: as many shards open as hsx.open keeps (a run's lanes interleave there), each
+    # keeping the row groups it is in
+    shards = open_shards(src, cache_blocks=2)
+    check_eagle3_layout(shards.metadata, draft, str(src))  # refused naming src, as Eagle3Dataset(src) would
+    ds = Eagle3Dataset(shards, draft)
     meta = ds.shards.metadata
     vocab_size, vocab_from = _target_vocab_size(meta, draft, target_vocab_size)
     if draft_vocab_size is None:
@@ -164,15 +169,18 @@ def export_specforge(src: str | Path, dst: str | Path, *, draft_vocab_size: int 
         # vocabulary counts over every stored token, the generate-mode last one included
         counts += count_loss_tokens([(shard_sample.input_ids, shard_sample.loss_mask)], vocab_size)
         for key in ("aux_hidden_state", "hidden_state"):
-            if not torch.isfinite(sample[key]).all():
+            if not all_finite(sample[key]):
                 raise HsxError(f"sample {sample['sample_id']!r}: non-finite values in {key}; not exported")
-        # clone: the states are views into a shard's buffer, and torch.save writes whole storages
+        # memory of their own: torch.save writes whole storages, and a sample stored whole is a view into its
+        # row group's block (a copy); a long sample's states are decoded into tensors of their own (no copy)
         record = {
             "input_ids": sample["input_ids"].clone(),
             "loss_mask": sample["loss_mask"].clone(),
-            "hidden_state": sample["hidden_state"].clone().unsqueeze(0),  # [1, T, H]
-            "aux_hidden_state": sample["aux_hidden_state"].clone().unsqueeze(0),  # [1, T, 3H]
+            "hidden_state": own(sample["hidden_state"]).unsqueeze(0),  # [1, T, H]
+            "aux_hidden_state": own(sample["aux_hidden_state"]).unsqueeze(0),  # [1, T, 3H]
         }
+        sample_id = sample["sample_id"]
+        del sample
         rel = relative_path(i)
         path = dst / rel
         inside(dst, path.parent).mkdir(exist_ok=True)
@@ -185,7 +193,7 @@ def export_specforge(src: str | Path, dst: str | Path, *, draft_vocab_size: int 
             written += 1
         t = len(record["input_ids"])
         tokens += t
-        index_lines.append(json.dumps({"index": i, "file": rel.as_posix(), "sample_id": sample["sample_id"],
+        index_lines.append(json.dumps({"index": i, "file": rel.as_posix(), "sample_id": sample_id,
                                        "source_index": shard_sample.source_index, "tokens": t,
                                        "shard_tokens": len(shard_sample.input_ids)}))
 

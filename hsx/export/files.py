@@ -14,8 +14,11 @@ import os
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from hsx.errors import HsxError
 from hsx.shards.manifest import fsync_dir
+from hsx.shards.reader import own  # noqa: F401  (the exports' helper, defined with the reader)
 
 INFO = "hsx_export.json"
 
@@ -49,6 +52,15 @@ def inside(dst: Path, path: Path) -> Path:
         if p.is_symlink():
             raise HsxError(f"{p} is a symbolic link; refusing to write through it (export into a fresh directory)")
     return path
+
+
+def all_finite(t: torch.Tensor, values: int = 1 << 22) -> bool:
+    """``torch.isfinite(t).all()``, a few million values at a time: the boolean mask of a whole long sample
+    would be half its bfloat16 bytes."""
+    if t.dim() == 0 or t.shape[0] == 0:
+        return bool(torch.isfinite(t).all())
+    step = max(1, values // max(1, t[0].numel()))
+    return all(bool(torch.isfinite(t[a:a + step]).all()) for a in range(0, t.shape[0], step))
 
 
 def fingerprint(obj) -> str:

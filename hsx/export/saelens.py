@@ -20,7 +20,8 @@ dropped (SAELens' ``disable_concat_sequences``). Row j of a context is a stored 
 than ``all`` a context holds the kept rows back to back.
 
 Values: bfloat16 and float16 shards become float32 exactly; ``float16`` output refuses values
-outside its range. Memory: about one Arrow block (~64 MB) plus the shards being read. The files
+outside its range. Memory: one Arrow block of contexts (~64 MB) and the rows being read: a long sample
+comes a stored piece at a time (docs/FORMAT.md, "Long samples"), never whole. The files
 are renamed into place and ``state.json`` is written last, so DST is never a partial dataset that
 loads; a finished export with the same source and parameters is left as it is.
 """
@@ -36,7 +37,7 @@ import pyarrow as pa
 import torch
 
 from hsx.errors import HsxError
-from hsx.export.files import INFO, claim, clean_temps, fingerprint, write_json
+from hsx.export.files import INFO, all_finite, claim, clean_temps, fingerprint, write_json
 from hsx.export.hfdisk import STATE, DiskDatasetWriter
 from hsx.export.layers import BoundarySlice, find_boundary, num_layers_of
 from hsx.shards import ShardDataset, open_shards
@@ -98,9 +99,10 @@ class _Packer:
         return self._take(self.pending // self.c)
 
     def _take(self, k: int):
-        rows, tokens = torch.cat(self.rows), torch.cat(self.tokens)
+        rows, tokens = _drain(self.rows), _drain(self.tokens)
         n = k * self.c
-        self.rows, self.tokens = [rows[n:]], [tokens[n:]]
+        # the rest (under one context) copied: a view would keep the whole block alive until the next one
+        self.rows, self.tokens = [rows[n:].clone()], [tokens[n:].clone()]
         self.pending = len(rows) - n
         return rows[:n].view(k, self.c, -1), tokens[:n].view(k, self.c)
 
@@ -108,6 +110,19 @@ class _Packer:
         """The last whole contexts; what is left (fewer than C rows) is dropped."""
         k = self.pending // self.c
         return self._take(k) if k else None
+
+
+def _drain(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)``, emptying ``parts`` as it goes: each part is let go once copied, and the result's
+    pages are touched only as they are filled, so the two are not both held whole."""
+    out = torch.empty((sum(len(p) for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype)
+    at = 0
+    while parts:
+        part = parts.pop(0)
+        out[at:at + len(part)] = part
+        at += len(part)
+        del part
+    return out
 
 
 def _table(schema: pa.Schema, hook: str, acts: torch.Tensor, tokens: torch.Tensor) -> pa.Table:
@@ -149,21 +164,35 @@ def _pack(ds: ShardDataset, sl: BoundarySlice, writer: DiskDatasetWriter, hook: 
     dropped = 0
     for i in tqdm(range(len(ds)), desc="export saelens", unit="sample", disable=not progress):
         s = ds[i]
-        rows = s.hidden(sl.column)[:, sl.start:sl.stop]  # [R, W] view
         tokens = s.input_ids.to(torch.int64)[s.positions]  # [R]: each row's input token
+        want = None  # rows to take: all of them back to back, or the first context
         if not concat:
-            keep = context_size if len(rows) >= context_size else 0
-            dropped += len(rows) - keep
-            if not keep:
+            rows = s.num_rows
+            want = context_size if rows >= context_size else 0
+            dropped += rows - want
+            if not want:
                 continue
-            rows, tokens = rows[:keep], tokens[:keep]
-        acts = rows.to(out_dtype)
-        if not torch.isfinite(acts).all():
-            bad = "non-finite values" + (" (or values outside float16's range)" if out_dtype == torch.float16 else "")
-            raise HsxError(f"sample {s.sample_id!r}: {bad} in column {sl.column!r}; not exported")
-        block = packer.push(acts, tokens)
-        if block is not None:
-            writer.write(_table(writer.schema, hook, *block))
+        at = 0
+        for piece in s.hidden.pieces(sl.column):  # a long sample a stored piece at a time, never whole
+            rows = piece[:, sl.start:sl.stop]  # [r, W] view
+            if want is not None:
+                rows = rows[:max(0, want - at)]
+            n = len(rows)
+            if n:
+                acts = rows.to(out_dtype)
+                del piece, rows  # the decoded piece goes before the contexts are cut
+                if not all_finite(acts):
+                    bad = "non-finite values" + (" (or values outside float16's range)" if out_dtype == torch.float16 else "")
+                    raise HsxError(f"sample {s.sample_id!r}: {bad} in column {sl.column!r}; not exported")
+                block = packer.push(acts, tokens[at:at + n])
+                del acts
+                if block is not None:
+                    writer.write(_table(writer.schema, hook, *block))
+                    del block
+            piece = rows = None
+            at += n
+            if want is not None and at >= want:
+                break
     block = packer.flush()
     if block is not None:
         writer.write(_table(writer.schema, hook, *block))
@@ -176,7 +205,8 @@ def export_saelens(src: str | Path | ShardDataset, dst: str | Path, *, column: s
     """Export column ``column`` of the shards at ``src`` as SAELens cached activations (module docstring)."""
     import datasets
 
-    ds = src if isinstance(src, ShardDataset) else open_shards(src, cache_shards=2)
+    # one pass in dataset order: two shards open, each keeping the row groups it is in
+    ds = src if isinstance(src, ShardDataset) else open_shards(src, cache_shards=2, cache_blocks=2)
     where = str(src) if not isinstance(src, ShardDataset) else "shards"
     meta = ds.metadata
     if context_size < 1:

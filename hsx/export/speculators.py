@@ -36,7 +36,7 @@ import pyarrow as pa
 import torch
 
 from hsx.errors import AlignmentError, HsxError
-from hsx.export.files import INFO, atomic_write, claim, clean_temps, fingerprint, inside, write_json
+from hsx.export.files import INFO, all_finite, atomic_write, claim, clean_temps, fingerprint, inside, write_json
 from hsx.export.hfdisk import DiskDatasetWriter
 from hsx.export.layers import BoundarySlice, find_boundary, num_layers_of, require_every_position
 from hsx.shards import ShardDataset, open_shards
@@ -47,7 +47,7 @@ HIDDEN_DIR = "hidden_states"
 INDEX = "hsx_index.jsonl"
 TOKEN_FREQ = "token_freq.pt"
 ROWS_PER_BLOCK = 1024  # dataset rows per Arrow record batch
-SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.int64: "I64"}
 
 
 @dataclass
@@ -116,15 +116,29 @@ def _is_complete(path: Path, token_ids: torch.Tensor, shape: tuple, dtype: torch
 
 
 def _states(s, slices: list[BoundarySlice], t: int) -> torch.Tensor:
-    """[T, K+1, H] from the sample's columns: aux boundaries ascending, then boundary L."""
-    parts = []
-    for sl in slices:
-        rows = s.hidden(sl.column)
-        if rows.shape[0] < t:
-            raise AlignmentError(f"sample {s.sample_id!r}: column {sl.column!r} has {rows.shape[0]} rows, "
+    """[T, K+1, H] from the sample's columns: aux boundaries ascending, then boundary L.
+
+    Allocated once and filled a stored piece at a time, each column read once (a long sample never has
+    more than one piece of one column decoded besides the result)."""
+    width = slices[0].stop - slices[0].start
+    out = None
+    for column in dict.fromkeys(sl.column for sl in slices):  # in the order the slices first name them
+        at = 0
+        for piece in s.hidden.pieces(column):
+            if out is None:
+                out = torch.empty((t, len(slices), width), dtype=piece.dtype)
+            n = min(piece.shape[0], t - at)
+            if n > 0:
+                with torch._C.DisableTorchFunctionSubclass():
+                    for k, sl in enumerate(slices):
+                        if sl.column == column:
+                            out[at:at + n, k] = piece[:n, sl.start:sl.stop]
+            at += piece.shape[0]
+            del piece
+        if at < t:
+            raise AlignmentError(f"sample {s.sample_id!r}: column {column!r} has {at} rows, "
                                  f"{t} tokens need one each")
-        parts.append(rows[:t, sl.start:sl.stop])
-    return torch.stack(parts, dim=1)  # a copy: safetensors writes contiguous memory
+    return out
 
 
 def _plan(meta: dict, target_layer_ids: Sequence[int] | None, where: str) -> tuple[list[int], list[BoundarySlice], int]:
@@ -155,12 +169,35 @@ def _info(meta: dict, source: str, aux: list[int], width: int) -> dict:
 
 def _write_states(path: Path, token_ids: torch.Tensor, states: torch.Tensor) -> int:
     """Bytes written to ``hs_{i}.safetensors``; 0 when a whole file with these tokens is already there."""
-    from safetensors.torch import save as safetensors_bytes
-
     if path.exists() and _is_complete(path, token_ids, tuple(states.shape), states.dtype):
         return 0
-    blob = safetensors_bytes({"token_ids": token_ids, "hidden_states": states})
-    return atomic_write(path, lambda f: f.write(blob))
+    return atomic_write(path, lambda f: write_safetensors(f, {"token_ids": token_ids, "hidden_states": states}))
+
+
+def write_safetensors(f, tensors: dict[str, torch.Tensor]) -> None:
+    """The bytes ``safetensors.torch.save(tensors)`` gives, written to ``f`` straight from the tensors' memory
+    (``save`` builds the whole file in memory, twice, before it can be written).
+
+    The format: an 8-byte little-endian header length, the header (compact JSON of each tensor's dtype,
+    shape and data offsets, padded with spaces to a multiple of 8), then the tensors' bytes. safetensors
+    orders the tensors by dtype, widest first, then by name: here ``token_ids`` (int64) comes before the
+    states (at most 4 bytes a value), and the caller passes them in that order.
+    """
+    import struct
+
+    header, at = {}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + n]}
+        at += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    f.write(struct.pack("<Q", len(blob)))
+    f.write(blob)
+    for t in tensors.values():
+        if t.numel():
+            with torch._C.DisableTorchFunctionSubclass():
+                f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
 
 
 class _TokenRows:
@@ -197,7 +234,8 @@ def export_speculators(src: str | Path | ShardDataset, dst: str | Path, *, targe
     """Export the shards at ``src`` to speculators' offline layout at ``dst`` (see the module docstring)."""
     from tqdm import tqdm
 
-    ds = src if isinstance(src, ShardDataset) else open_shards(src, cache_shards=2)
+    # one pass in dataset order: two shards open, each keeping the row groups it is in
+    ds = src if isinstance(src, ShardDataset) else open_shards(src, cache_shards=2, cache_blocks=2)
     where = str(src) if not isinstance(src, ShardDataset) else "shards"
     meta = ds.metadata
     aux, slices, width = _plan(meta, target_layer_ids, where)
@@ -222,7 +260,7 @@ def export_speculators(src: str | Path | ShardDataset, dst: str | Path, *, targe
                 continue
             token_ids, loss_mask = ids[:t].clone(), s.loss_mask[:t].to(torch.int64)
             states = _states(s, slices, t)
-            if not torch.isfinite(states).all():
+            if not all_finite(states):
                 raise HsxError(f"sample {s.sample_id!r}: non-finite hidden states; not exported")
             j = len(index_lines)
             size = _write_states(inside(dst, hs_path(dst, j)), token_ids, states)

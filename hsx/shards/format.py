@@ -21,6 +21,10 @@ Both are bit-exact for the lossless dtypes (bfloat16 kept as its 16-bit pattern;
 bfloat16); the lossy dtypes of version 5 (:class:`QuantCells`) store codes and scales. All store
 the column as BYTE_ARRAY pages in DELTA_LENGTH_BYTE_ARRAY encoding: the equal lengths pack into a
 few bytes and the data stays contiguous, with one repetition level per value, not per float.
+
+Reading decodes into memory the caller allocates where it can (:meth:`Cells.decode_into`): a long
+sample's pieces land one at a time in a tensor allocated once, and the lossy dtypes dequantise a few
+rows at a time.
 """
 
 from __future__ import annotations
@@ -230,7 +234,10 @@ class Cells:
         """Every value of the chunk has the length its layout requires."""
         if not len(column):
             return
-        offs, lengths = _value_lengths(column)
+        self.check_lengths(*_value_lengths(column), where, name)
+
+    def check_lengths(self, offs: np.ndarray, lengths: np.ndarray, where: str, name: str) -> None:
+        """:meth:`check` of a chunk given as its list offsets and the byte length of each of its values."""
         if not self.planes:
             bad = np.flatnonzero(lengths != self.row_bytes)
             if len(bad):
@@ -258,25 +265,45 @@ class Cells:
 
         Rows: a zero-copy view of the Arrow buffer. Planes: decoded into fresh memory.
         """
+        if not self.planes:
+            offs = column.offsets.to_numpy()
+            start, stop = (int(offs[0]), int(offs[-1])) if len(column) else (0, 0)
+            return block_view(column.values, start, stop, self.width, self.dtype)
+        out = torch.empty((int(self.rows(column).sum()), self.width), dtype=self.dtype)
+        self.decode_into(column, out)
+        return read_only(out)
+
+    def decode_into(self, column: pa.ListArray, out: torch.Tensor) -> None:
+        """Every row of a column chunk's samples, in order, written into ``out``: a contiguous ``[R, W]``
+        tensor of this column's read dtype with exactly the chunk's R rows (the decode of :meth:`block`
+        without its allocation, so a long sample's pieces land in one tensor allocated once)."""
+        if out.dtype != self.dtype or out.dim() != 2 or out.shape[1] != self.width or not out.is_contiguous():
+            raise ShardError(f"decode target of shape {tuple(out.shape)} {out.dtype}; column decodes to "
+                             f"[rows, {self.width}] {self.dtype}")
         offs = column.offsets.to_numpy()
         start, stop = (int(offs[0]), int(offs[-1])) if len(column) else (0, 0)
+        target = out.view(torch.uint8).numpy().reshape(-1)
         if not self.planes:
-            return block_view(column.values, start, stop, self.width, self.dtype)
+            src = block_view(column.values, start, stop, self.width, self.dtype)
+            if src.shape[0] != out.shape[0]:
+                raise ShardError(f"a column chunk of {src.shape[0]} rows decoded into {out.shape[0]}")
+            with torch._C.DisableTorchFunctionSubclass():
+                np.copyto(target, src.view(torch.uint8).numpy().reshape(-1))
+            return
         value_offs = _value_offsets(column.values)
-        total = int(value_offs[stop] - value_offs[start])
-        if not total:
-            return read_only(torch.empty((0, self.width), dtype=self.dtype))
-        data = column.values.buffers()[2]
-        out = np.empty(total // self.itemsize, _UINT[self.itemsize])
+        data = column.values.buffers()[2] if len(column.values) else None
+        target = target.view(_UINT[self.itemsize])
         at = 0
         for v in range(start, stop, self.itemsize):  # one piece a step: its planes are one run of bytes
             n = int(value_offs[v + 1] - value_offs[v])  # values in the piece
             if n:
+                if at + n > len(target):
+                    break
                 planes = np.frombuffer(data, np.uint8, count=self.itemsize * n, offset=int(value_offs[v]))
-                _join(planes.reshape(self.itemsize, n), out[at:at + n])
-                at += n
-        return read_only(torch.from_numpy(out.view(np.uint8)).view(self.dtype).view(-1, self.width))
-
+                _join(planes.reshape(self.itemsize, n), target[at:at + n])
+            at += n
+        if at != len(target):
+            raise ShardError(f"a column chunk of {at // self.width} rows decoded into {out.shape[0]}")
 
     def sample_rows(self, column: pa.ListArray, index: int, start: int, stop: int) -> torch.Tensor:
         """Rows ``start..stop-1`` of sample ``index`` of a column chunk, decoded alone (the rest of the
@@ -345,10 +372,7 @@ class QuantCells(Cells):
             chunks.append(_cell(offsets, data))
         return pa.chunked_array(chunks, type=pa.list_(pa.large_binary()))
 
-    def check(self, column: pa.ListArray, where: str, name: str) -> None:
-        if not len(column):
-            return
-        offs, lengths = _value_lengths(column)
+    def check_lengths(self, offs: np.ndarray, lengths: np.ndarray, where: str, name: str) -> None:
         if not self.planes:
             bad = np.flatnonzero(lengths != self.stored_row_bytes)
             if len(bad):
@@ -369,31 +393,75 @@ class QuantCells(Cells):
                              f"{v[bad[0]].tolist()} bytes; expected rows x {self.width} codes and 2 x rows x {self.groups} scale bytes")
 
     def block(self, column: pa.ListArray) -> torch.Tensor:
+        out = torch.empty((int(self.rows(column).sum()), self.width), dtype=self.dtype)
+        self.decode_into(column, out)
+        return read_only(out)
+
+    def decode_into(self, column: pa.ListArray, out: torch.Tensor) -> None:
+        """Dequantised, a few rows at a time (the float temporaries of :func:`quant.dequantize` stay
+        small whatever the chunk's size), into ``out`` (see :meth:`Cells.decode_into`)."""
+        if out.dtype != self.dtype or out.dim() != 2 or out.shape[1] != self.width or not out.is_contiguous():
+            raise ShardError(f"decode target of shape {tuple(out.shape)} {out.dtype}; column decodes to "
+                             f"[rows, {self.width}] {self.dtype}")
         offs = column.offsets.to_numpy()
         start, stop = (int(offs[0]), int(offs[-1])) if len(column) else (0, 0)
         value_offs = _value_offsets(column.values)
         data = column.values.buffers()[2] if len(column.values) else None
         if stop == start or data is None:
-            return read_only(torch.empty((0, self.width), dtype=self.dtype))
+            if out.shape[0]:
+                raise ShardError(f"a column chunk of 0 rows decoded into {out.shape[0]}")
+            return
         first, last = int(value_offs[start]), int(value_offs[stop])
         raw = np.frombuffer(data, np.uint8, count=last - first, offset=first)
         if not self.planes:
             rows = raw.reshape(-1, self.stored_row_bytes)
-            codes = rows[:, :self.width]
-            scale = rows[:, self.width:].copy().view(np.uint16)  # a copy: one row's slice keeps its odd stride
-        else:
-            codes_parts, scale_parts = [], []
-            for v in range(start, stop, 3):  # one piece per step: three slices, no per-value work
-                a, b, c, d = (int(value_offs[v + k]) - first for k in range(4))
-                codes_parts.append(raw[a:b].reshape(-1, self.width))
-                s16 = np.empty(c - b, np.uint16)
-                _join(np.stack([raw[b:c], raw[c:d]]), s16)
-                scale_parts.append(s16.reshape(-1, self.groups))
-            codes, scale = np.concatenate(codes_parts), np.concatenate(scale_parts)
+            if len(rows) != out.shape[0]:
+                raise ShardError(f"a column chunk of {len(rows)} rows decoded into {out.shape[0]}")
+            self._dequantize_into(rows[:, :self.width], rows[:, self.width:], out)
+            return
+        at = 0
+        for v in range(start, stop, 3):  # one piece per step: three slices, no per-value work
+            a, b, c, d = (int(value_offs[v + k]) - first for k in range(4))
+            n = (b - a) // self.width
+            if at + n > out.shape[0]:
+                break
+            self._dequantize_into(raw[a:b].reshape(n, self.width), _scales(raw[b:c], raw[c:d], n, self.groups),
+                                  out[at:at + n])
+            at += n
+        if at != out.shape[0]:
+            raise ShardError(f"a column chunk of {at} rows decoded into {out.shape[0]}")
+
+    def _dequantize_into(self, codes: np.ndarray, scale: np.ndarray, out: torch.Tensor) -> None:
+        """Codes ``[R, W]`` (uint8) and scales ``[R, G]`` (little-endian bfloat16: uint16, or their ``2G`` bytes)
+        -> ``out`` ``[R, W]`` (any float dtype: the bfloat16 values, converted exactly), ``DEQUANT_VALUES``
+        values a step. Row by row the same arithmetic as one :func:`quant.dequantize` of the whole block."""
         code_dtype = quant.CODES[self.kind][0]
-        c = torch.from_numpy(np.ascontiguousarray(codes)).view(code_dtype)
-        s = torch.from_numpy(np.ascontiguousarray(scale)).view(quant.SCALE_DTYPE)
-        return read_only(quant.dequantize(c, s, self.dtype))
+        step = max(1, DEQUANT_VALUES // max(1, self.width))
+        for a in range(0, len(codes), step):
+            c, s = codes[a:a + step], scale[a:a + step]
+            c = _as_torch(np.ascontiguousarray(c)).view(code_dtype)
+            s = _as_torch(np.ascontiguousarray(s).reshape(len(s), -1).view(np.uint16)).view(quant.SCALE_DTYPE)
+            out[a:a + len(c)] = quant.dequantize(c, s, self.dtype)
+
+
+# Values dequantised at a time (QuantCells): a few MB of float32 temporaries, whatever the sample's size.
+DEQUANT_VALUES = 1 << 20
+
+
+def _scales(low: np.ndarray, high: np.ndarray, rows: int, groups: int) -> np.ndarray:
+    """A planes cell's two scale byte planes -> ``[rows, groups]`` uint16 (the bfloat16 bit patterns)."""
+    s16 = np.empty(len(low), np.uint16)
+    _join(np.stack([low, high]), s16)
+    return s16.reshape(rows, groups)
+
+
+def _as_torch(a: np.ndarray) -> torch.Tensor:
+    """``torch.from_numpy`` of an array that may be read-only Arrow memory (only read from here)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(a)
 
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
@@ -512,27 +580,49 @@ def decode(cell, width: int, dtype: str = "bfloat16", codec: str = DEFAULT_CODEC
     piece's cell for its rows, or the pieces' cells chained (``[v for c in cells for v in c]``) for all.
     A lossy dtype (``int8``, ``float8_e4m3``) comes back dequantised, as float32. bfloat16 comes back as its uint16 bit patterns (numpy has no bfloat16): ``torch.from_numpy(a).view(
     torch.bfloat16)``. ``codec`` and ``dtype`` are in the shard's metadata (``hsx.open(path).metadata``).
+    The array is allocated once and each piece decoded straight into its rows: besides the cell, the
+    memory is the result (a lossy cell's floats are dequantised a few rows at a time).
     """
     if dtype in LOSSY:
         return _decode_lossy(cell, width, dtype, codec)
     kind = dtype_of(dtype)
     np_dtype = {torch.bfloat16: np.uint16, torch.float16: np.float16, torch.float32: np.float32}[kind]
     size = np.dtype(np_dtype).itemsize
-    values = [np.frombuffer(v, np.uint8) for v in cell]
+    values = [np.frombuffer(v, np.uint8) for v in cell]  # views of the caller's bytes
     if CODECS[codec_of({"codec": codec})][1] == "rows":
         return (np.concatenate(values) if values else np.zeros(0, np.uint8)).view(np_dtype).reshape(-1, width)
     pieces = [values[k:k + size] for k in range(0, len(values), size)]
     if not pieces or any(len(p) != size or len({len(v) for v in p}) != 1 for p in pieces):
         raise ShardError(f"a {codec} cell of {dtype} holds {size} equal byte planes a piece; got lengths {[len(v) for v in values]}")
-    return np.concatenate([np.stack(p, axis=-1).reshape(-1) for p in pieces]).view(np_dtype).reshape(-1, width)
+    # the output allocated once, each piece's planes interleaved straight into its rows
+    out = np.empty((sum(len(p[0]) for p in pieces), size), np.uint8)
+    at = 0
+    for p in pieces:
+        np.stack(p, axis=-1, out=out[at:at + len(p[0])])
+        at += len(p[0])
+    return out.reshape(-1).view(np_dtype).reshape(-1, width)
 
 
 def _decode_lossy(cell, width: int, dtype: str, codec: str) -> np.ndarray:
-    values = [bytes(v) for v in cell]
+    values = [np.frombuffer(v, np.uint8) for v in cell]  # views of the caller's bytes
     cells = QuantCells(width, dtype, CODECS[codec_of({"codec": codec})][1] == "planes")
-    column = pa.ListArray.from_arrays(pa.array(np.array([0, len(values)], np.int32)), pa.array(values, pa.large_binary()))
-    cells.check(column, "decode", f"{dtype} cell")
-    return cells.block(column).float().numpy()
+    lengths = np.array([len(v) for v in values], np.int64)
+    cells.check_lengths(np.array([0, len(values)]), lengths, "decode", f"{dtype} cell")
+    if not cells.planes:  # one value a row: its W codes, then its G scales
+        out = torch.empty((len(values), width), dtype=torch.float32)
+        step = max(1, DEQUANT_VALUES // max(1, width))
+        for a in range(0, len(values), step):
+            rows = np.stack(values[a:a + step]) if values[a:a + step] else np.zeros((0, cells.stored_row_bytes), np.uint8)
+            cells._dequantize_into(rows[:, :width], rows[:, width:], out[a:a + len(rows)])
+        return out.numpy()
+    out = torch.empty((int(lengths[0::3].sum()) // width, width), dtype=torch.float32)
+    at = 0
+    for k in range(0, len(values), 3):  # one piece: codes, scale bytes 0 and 1
+        n = len(values[k]) // width
+        cells._dequantize_into(values[k].reshape(n, width), _scales(values[k + 1], values[k + 2], n, cells.groups),
+                               out[at:at + n])
+        at += n
+    return out.numpy()
 
 
 def block_view(values: pa.Array, start: int, stop: int, width: int, dtype: torch.dtype) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """A streaming loader of token rows for probes and SAEs: ``hsx.tokens_loader(path, ...)``.
 
 A torch ``IterableDataset`` that yields batches of hidden rows (one or several columns) with their
-labels, reading one row group at a time, so memory stays bounded by the shuffle buffer and one row
-group whatever the size of the dataset (``ds.tokens()`` concatenates everything instead).
+labels, reading one row group at a time (a few samples of it at a time; a long sample's piece one
+column at a time), so memory stays bounded by the shuffle buffer and a few row groups' worth of
+rows whatever the size of the dataset or of a sample (``ds.tokens()`` holds everything instead).
+Batches are memory of their own: keeping one keeps only its rows.
 
 - Work units are (shard, row group) blocks, visited in a seeded order that changes with
   :meth:`TokenLoader.set_epoch`; unit u goes to consumer ``u % (world_size * num_workers)``, so
@@ -22,6 +24,7 @@ Use it with ``DataLoader(loader, batch_size=None, num_workers=...)``: it batches
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -35,8 +38,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from hsx.errors import HsxError, ShardError
 from hsx.shards import format as fmt
 from hsx.shards import positions
-from hsx.shards.manifest import ShardEntry, streamed_checksum
-from hsx.shards.reader import check_schema, open_shards, row_labels
+from hsx.shards.manifest import ShardEntry
+from hsx.shards.reader import _checksum, check_schema, open_shards, row_labels
 
 LABELS = ("token_id", "next_token", "position", "sample_index")
 SAMPLES_PER_READ = 16  # samples decoded at a time: memory is this many samples, not a whole row group
@@ -115,26 +118,69 @@ class TokenLoader(IterableDataset):
         check_schema(f.schema_arrow, meta, str(path))
         first = block.first_sample  # the next sample to start; a long sample's later pieces belong to the one before
         pieces = [fmt.FIRST_ROW.name] if fmt.FIRST_ROW.name in f.schema_arrow.names else []
+        if f.metadata.row_group(block.row_group).num_rows == 1:  # a piece (or one large sample): a column at a time
+            yield self._one_row(path, entry, f, block, meta, first, pieces)
+            return
         for batch in f.iter_batches(batch_size=SAMPLES_PER_READ, row_groups=[block.row_group],
                                     columns=_BASE + pieces + self.columns, use_threads=False):
             table = pa.Table.from_batches([batch])
             starts = table.column(pieces[0]).to_numpy() == 0 if pieces else np.ones(table.num_rows, bool)
-            yield self._rows(table, meta, str(path), first - 1 + np.cumsum(starts), block)
+            fmt.check_row_bytes(table, {**meta, "layers": self._layers}, str(path))
+            hidden = {g["name"]: _raw_rows(table.column(g["name"]), meta, g) for g in self._layers}
+            rows = fmt.column_rows(table.column(self._layers[0]["name"]), meta, self._layers[0])
+            del batch
+            base = table.select(_BASE + pieces)
+            del table  # the hidden cells, decoded, are let go before the next batch is read
+            yield self._rows(base, hidden, rows, meta, str(path), first - 1 + np.cumsum(starts), block)
             first += int(starts.sum())
 
-    def _rows(self, table: pa.Table, meta: dict, where: str, sample_of: np.ndarray, block: _Block) -> dict[str, np.ndarray]:
+    def _one_row(self, path: Path, entry: ShardEntry | None, f: pq.ParquetFile, block: _Block, meta: dict, first: int,
+                 pieces: list[str]) -> dict[str, np.ndarray]:
+        """The chosen rows of a row group of one Parquet row (a piece of a long sample, up to ``PIECE_BYTES`` a
+        column): its columns read and decoded one at a time, each one's Arrow buffers let go before the next
+        is read, so the memory is the decoded rows plus one column's read."""
+        g = block.row_group
+        try:
+            base = f.read_row_group(g, columns=_BASE + pieces, use_threads=False)
+        except (pa.ArrowException, OSError) as e:
+            raise ShardError(f"{path}: unreadable Parquet ({e})") from None
+        hidden, rows = {}, None
+        for layer in self._layers:
+            try:
+                # a reader of its own per column: a ParquetFile keeps its last column chunk's compressed bytes
+                reader = pq.ParquetFile(path, metadata=f.metadata, page_checksum_verification=entry is None,
+                                        pre_buffer=False, buffer_size=1 << 20)
+                col = reader.read_row_group(g, columns=[layer["name"]], use_threads=False).column(0)
+                del reader
+            except (pa.ArrowException, OSError) as e:
+                raise ShardError(f"{path}: unreadable Parquet ({e})") from None
+            fmt.check_row_bytes(pa.table({layer["name"]: col}), {**meta, "layers": [layer]}, str(path))
+            got = fmt.column_rows(col, meta, layer)
+            if rows is None:
+                rows = got
+            hidden[layer["name"]] = _raw_rows(col, meta, layer)
+            del col
+            # pyarrow's default pool (mimalloc) keeps a freed read's large blocks, and the next piece's blocks
+            # rarely have their sizes: handed back now, the pieces' reads reuse the same memory
+            pa.default_memory_pool().release_unused()
+        starts = base.column(pieces[0]).to_numpy() == 0 if pieces else np.ones(1, bool)
+        return self._rows(base, hidden, rows, meta, str(path), first - 1 + np.cumsum(starts), block)
+
+    def _rows(self, base: pa.Table, hidden: dict[str, np.ndarray], rows: np.ndarray, meta: dict, where: str,
+              sample_of: np.ndarray, block: _Block) -> dict[str, np.ndarray]:
         """The chosen rows of a batch of Parquet rows (samples, or pieces of them: ``sample_of`` gives each one's
-        sample, as a global index into the shards)."""
-        fmt.check_row_bytes(table, {**meta, "layers": self._layers}, where)
-        ids, prompt, mask = (table.column(c).combine_chunks() for c in _BASE)
-        hidden = {g["name"]: _raw_rows(table.column(g["name"]), meta, g) for g in self._layers}
-        rows = fmt.column_rows(table.column(self._layers[0]["name"]), meta, self._layers[0])
-        first_row = table.column(fmt.FIRST_ROW.name).to_numpy() if fmt.FIRST_ROW.name in table.column_names else None
+        sample, as a global index into the shards): ``hidden`` their decoded ``[R, row_bytes]`` rows by column,
+        ``rows`` [P] how many each Parquet row holds."""
+        ids, prompt, mask = (base.column(c).combine_chunks() for c in _BASE)
+        first_row = base.column(fmt.FIRST_ROW.name).to_numpy() if fmt.FIRST_ROW.name in base.column_names else None
         labels = row_labels(meta, ids, prompt, mask, rows, where, self.where, first_row)
         sample = sample_of[labels.owner]
         # a block shared by several consumers: each takes every parts-th sample
-        chosen = np.flatnonzero(labels.chosen & (sample % block.parts == block.part))
-        out = {name: rows[chosen] for name, rows in hidden.items()}
+        wanted = labels.chosen & (sample % block.parts == block.part)
+        chosen = np.flatnonzero(wanted)
+        every = len(chosen) == len(wanted)
+        # every row chosen: the decoded rows as they are, where they are fresh memory (not Arrow's)
+        out = {name: r if every and r.flags.writeable else r[chosen] for name, r in hidden.items()}
         out["token_id"] = labels.token_id[chosen]
         out["next_token"] = labels.next_token[chosen]
         out["position"] = labels.position[chosen]
@@ -158,6 +204,7 @@ class TokenLoader(IterableDataset):
                     rows = {k: v[order] for k, v in rows.items()}
                 for out in buffer.push(rows):
                     yield from (self._tensors(b) for b in batches.add(out))
+                rows = out = None  # a long sample's piece goes before the next one is read
         for out in buffer.drain():
             yield from (self._tensors(b) for b in batches.add(out))
         last = batches.flush()
@@ -212,33 +259,54 @@ class _ShuffleBuffer:
 
 
 class _Batcher:
-    """Cuts a stream of row dicts into batches of exactly ``size`` rows (the last one may be short)."""
+    """Cuts a stream of row dicts into batches of exactly ``size`` rows (the last one may be short).
+
+    A batch is a part that has exactly its rows, else a copy of the rows it takes (a slice of a part, or
+    the parts it spans joined), so a batch kept keeps no more than its rows; a large part (a long
+    sample's piece) is never copied whole to be cut, and once fewer than a batch of its rows wait,
+    they are copied out of it so that it goes."""
 
     def __init__(self, size: int):
         self.size = size
-        self.parts: list[dict[str, np.ndarray]] = []
+        self.parts: deque[dict[str, np.ndarray]] = deque()
         self.count = 0
+        self._cut = False  # the first part is the rest of a larger one
 
     def add(self, rows: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
-        self.parts.append(rows)
-        self.count += len(rows["position"])
+        if len(rows["position"]):
+            self.parts.append(rows)
+            self.count += len(rows["position"])
         while self.count >= self.size:
-            whole = self._join()
-            yield {k: v[:self.size] for k, v in whole.items()}
-            rest = {k: v[self.size:] for k, v in whole.items()}
-            self.parts, self.count = [rest], self.count - self.size
+            yield self._take(self.size)
+        if self._cut:  # fewer than a batch of rows wait: a copy of the cut part's rest frees the part (a piece)
+            self.parts[0] = {k: v.copy() for k, v in self.parts[0].items()}
+            self._cut = False
 
     def flush(self) -> dict[str, np.ndarray] | None:
         if self.count == 0:
             return None
-        whole = self._join()
-        self.parts, self.count = [], 0
-        return whole
+        return self._take(self.count)
 
-    def _join(self) -> dict[str, np.ndarray]:
-        if len(self.parts) == 1:
-            return self.parts[0]
-        return {k: np.concatenate([p[k] for p in self.parts]) for k in self.parts[0]}
+    def _take(self, n: int) -> dict[str, np.ndarray]:
+        """The first ``n`` rows waiting."""
+        taken, need = [], n
+        self._cut = False
+        while need:
+            part = self.parts[0]
+            m = len(part["position"])
+            if m <= need:
+                taken.append(self.parts.popleft())
+                need -= m
+            else:
+                # a copy: a batch kept by the consumer must not keep the whole part (a piece) alive
+                taken.append({k: v[:need].copy() for k, v in part.items()})
+                self.parts[0] = {k: v[need:] for k, v in part.items()}
+                self._cut = True
+                need = 0
+        self.count -= n
+        if len(taken) == 1:
+            return taken[0]
+        return {k: np.concatenate([p[k] for p in taken]) for k in taken[0]}
 
 
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -274,18 +342,26 @@ def _check_file(path: Path, entry: ShardEntry | None) -> None:
     size = path.stat().st_size
     if size != entry.bytes:
         raise ShardError(f"{path}: {size} bytes on disk, manifest says {entry.bytes} (truncated or rewritten)")
-    digest = streamed_checksum(path)
+    with pa.OSFile(str(path)) as source:  # through one small buffer: a shard opened mid-pass adds next to nothing
+        digest = _checksum(source)
     if digest != entry.xxh3_128:
         raise ShardError(f"{path}: checksum {digest} does not match the manifest's {entry.xxh3_128} (corrupt)")
 
 
 def _raw_rows(col: pa.ChunkedArray, meta: dict, group: dict) -> np.ndarray:
-    """``[R, row_bytes]`` uint8 rows of a column (zero-copy for the rows layout in one chunk)."""
+    """``[R, row_bytes]`` uint8 rows of a column: zero-copy (read-only) for the rows layout in one chunk, else
+    decoded into fresh memory allocated once."""
     cells = fmt.Cells.of(meta, group)
-    parts = [cells.block(c).view(torch.uint8).numpy().reshape(-1, cells.row_bytes) for c in col.chunks]
-    if len(parts) == 1:
-        return parts[0]
-    return np.concatenate(parts) if parts else np.zeros((0, cells.row_bytes), np.uint8)
+    chunks = [c for c in col.chunks if len(c)]
+    if len(chunks) == 1 and not cells.planes and type(cells) is fmt.Cells:
+        return cells.block(chunks[0]).view(torch.uint8).numpy().reshape(-1, cells.row_bytes)
+    counts = [int(cells.rows(c).sum()) for c in chunks]
+    out = torch.empty((sum(counts), cells.width), dtype=cells.dtype)
+    at = 0
+    for c, n in zip(chunks, counts):
+        cells.decode_into(c, out[at:at + n])
+        at += n
+    return out.view(torch.uint8).numpy().reshape(-1, cells.row_bytes)
 
 
 def tokens_loader(path: str | Path, columns: Sequence[str] | None = None, where: str = "all", batch_size: int = 1024,

@@ -29,7 +29,6 @@ app = typer.Typer(
 export_app = typer.Typer(help="Write shards in another tool's layout.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(export_app, name="export")
 
-PathArg = Annotated[Path, typer.Argument(help="An hsx output directory (with its manifest) or one shard file.")]
 LocationArg = Annotated[str, typer.Argument(help="An hsx output directory (with its manifest), s3://BUCKET/PREFIX, or one shard file.")]
 AsJson = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="Print nothing but errors (and the report).")]
@@ -45,7 +44,7 @@ def _fail(message: str, code: int = 2) -> None:
 
 @app.command()
 def inspect(
-    path: PathArg,
+    path: LocationArg,
     as_json: AsJson = False,
     errors: Annotated[bool, typer.Option("--errors", help="List every error record (by default the first 10).")] = False,
 ) -> None:
@@ -264,7 +263,7 @@ def extract(
 
 @export_app.command("specforge")
 def export_specforge(
-    src: PathArg,
+    src: LocationArg,
     dst: Annotated[Path, typer.Argument(help="Output directory for SpecForge's offline EAGLE3 layout.")],
     draft_vocab_size: Annotated[Optional[int], _opt("Draft vocabulary size for vocab_mapping.pt (default: the draft config's, else the whole target vocabulary).")] = None,
     draft_config: Annotated[Optional[Path], _opt("The draft's config.json (or its directory): checked against the shards' widths and eagle3 layers.")] = None,
@@ -292,7 +291,7 @@ def _int_list(text: Optional[str], option: str) -> Optional[list[int]]:
 
 @export_app.command("speculators")
 def export_speculators(
-    src: PathArg,
+    src: LocationArg,
     dst: Annotated[Path, typer.Argument(help="Output directory: speculators' --data-path (dataset + hidden_states/).")],
     target_layer_ids: Annotated[Optional[str], _opt("Aux boundaries, vLLM's target_layer_ids (block inputs = hsx boundaries), e.g. 2,15,27 (default: the eagle3 column's). Boundary L is always added last.")] = None,
     quiet: Quiet = False,
@@ -311,7 +310,7 @@ def export_speculators(
 
 @export_app.command("saelens")
 def export_saelens(
-    src: PathArg,
+    src: LocationArg,
     dst: Annotated[Path, typer.Argument(help="Output directory: SAELens' cached_activations_path.")],
     column: Annotated[str, _opt("The boundary to export (b5 or 5, wherever it is stored) or final.")],
     context_size: Annotated[int, _opt("Tokens per context (SAELens' context_size).")],

@@ -140,3 +140,32 @@ def test_a_tokenizer_that_is_nowhere_is_a_clear_error(demo_shards, tmp_path, mon
     with pytest.raises(hsx.HsxError, match="not on this machine.*/nowhere/gone"):
         ds.tokenizer()
     assert A.load_tokenizer(ds) is None
+
+
+def test_notebook_reads_an_output_in_an_object_store(demo_shards, tmp_path, monkeypatch):
+    """The same shards copied into an S3-compatible store (SeaweedFS on the loopback address): the
+    notebook, given ``HSX_SHARDS=s3://...``, runs through and prints what it prints on local disk."""
+    from s3_server import S3Server
+
+    server = S3Server(tmp_path / "s3").start()
+    try:
+        client = server.client()
+        for f in sorted(demo_shards.iterdir()):
+            if f.is_file():
+                client.put_object(Bucket=server.bucket, Key=f"nb/{f.name}", Body=f.read_bytes())
+        for k, v in server.env().items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("HSX_SHARDS", f"s3://{server.bucket}/nb")
+        monkeypatch.delenv("MPLBACKEND", raising=False)
+        nb = nbformat.read(NOTEBOOK, as_version=4)
+        client = NotebookClient(nb, km=kernel_manager(tmp_path), timeout=CELL_TIMEOUT_S,
+                                resources={"metadata": {"path": str(NOTEBOOK.parent)}})
+        client.execute()
+    finally:
+        server.stop()
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    assert "ShardDataset(16 samples, 3 shards" in text and "next token starts a new word" in text
+    assert "tokenizer: not found" not in text  # found through the run's recorded (resolved) path
+    assert len([o for o in outputs if "image/png" in o.get("data", {})]) == 4

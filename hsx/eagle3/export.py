@@ -34,7 +34,7 @@ import torch
 from hsx.eagle3.dataset import Eagle3Dataset, check_eagle3_layout, load_draft_config
 from hsx.eagle3.vocab import count_loss_tokens, vocab_mapping
 from hsx.errors import HsxError
-from hsx.export.files import all_finite, atomic_write, inside, own
+from hsx.export.files import all_finite, atomic_write, inside, own, source_name
 from hsx.shards.reader import open_shards
 
 GROUP = 2000  # files per rows_* directory, SpecForge's default --file-group-size
@@ -148,7 +148,7 @@ def export_specforge(src: str | Path, dst: str | Path, *, draft_vocab_size: int 
     elif any(p.name.startswith("rows_") for p in dst.iterdir()):
         raise HsxError(f"{dst} holds rows_* directories but no {INFO}: not an hsx export; export into a new directory")
     info = {
-        "format": "specforge-offline-eagle3", "writer": "hsx", "complete": False, "source": str(Path(src).resolve()),
+        "format": "specforge-offline-eagle3", "writer": "hsx", "complete": False, "source": source_name(src),
         "source_fingerprint": fingerprint, "config_hash": meta.get("config_hash"), "mode": ds.layout.mode,
         "model": meta.get("model"), "stored_dtype": ds.layout.stored_dtype,
         "aux_boundaries": list(ds.layout.aux_boundaries), "hidden_size": ds.layout.hidden_size,

@@ -241,9 +241,15 @@ def load_causal_lm(path: str, dtype: torch.dtype, trust_remote_code: bool = Fals
         cls = None
     impl = None if cls is None else ("sdpa" if getattr(cls, "_supports_sdpa", False) else "eager")
     model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                       attn_implementation=impl, output_loading_info=True)
+                                                       attn_implementation=impl, output_loading_info=True,
+                                                       **NO_HUB_KERNELS)
     refuse_incomplete_load(path, info, what)
     return model
+
+
+# transformers 5.25 swaps layers for Hub kernels by default (code fetched from the Hub, numerics of
+# their own, and no support for the meta device the check below loads on): hsx runs the model's own code
+NO_HUB_KERNELS = {"use_kernels": False}
 
 
 def check_checkpoint(path: str, what: str = "model", trust_remote_code: bool = False) -> None:
@@ -257,6 +263,6 @@ def check_checkpoint(path: str, what: str = "model", trust_remote_code: bool = F
     # the meta device needs accelerate; without it the check loads the weights on the CPU once
     where = {"device_map": "meta"} if importlib.util.find_spec("accelerate") else {"dtype": "auto"}
     model, info = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=trust_remote_code,
-                                                       output_loading_info=True, **where)
+                                                       output_loading_info=True, **where, **NO_HUB_KERNELS)
     del model
     refuse_incomplete_load(path, info, what)

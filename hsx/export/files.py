@@ -19,8 +19,14 @@ import torch
 from hsx.errors import HsxError
 from hsx.shards.manifest import fsync_dir
 from hsx.shards.reader import own  # noqa: F401  (the exports' helper, defined with the reader)
+from hsx.shards.store import is_remote
 
 INFO = "hsx_export.json"
+
+
+def source_name(src) -> str:
+    """An export's source as its info file records it: an ``s3://`` location as given, a local path resolved."""
+    return str(src) if is_remote(src) else str(Path(src).resolve())
 
 
 def atomic_write(path: Path, write: Callable) -> int:

@@ -37,7 +37,7 @@ import pyarrow as pa
 import torch
 
 from hsx.errors import HsxError
-from hsx.export.files import INFO, all_finite, claim, clean_temps, fingerprint, write_json
+from hsx.export.files import INFO, all_finite, claim, clean_temps, fingerprint, source_name, write_json
 from hsx.export.hfdisk import STATE, DiskDatasetWriter
 from hsx.export.layers import BoundarySlice, find_boundary, num_layers_of
 from hsx.shards import ShardDataset, open_shards
@@ -219,7 +219,7 @@ def export_saelens(src: str | Path | ShardDataset, dst: str | Path, *, column: s
     params = {"column": sl.column, "boundary": sl.boundary, "hook_name": hook, "context_size": context_size,
               "dtype": dtype, "concat": concat}
     dst = Path(dst)
-    info = _info(meta, where if isinstance(src, ShardDataset) else str(Path(src).resolve()), len(ds), params, width)
+    info = _info(meta, where if isinstance(src, ShardDataset) else source_name(src), len(ds), params, width)
     done = _finished(dst, info)
     if done is not None:
         return SaelensSummary(str(dst), hook, done["contexts"], context_size, width, done["tokens"],

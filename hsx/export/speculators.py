@@ -36,7 +36,8 @@ import pyarrow as pa
 import torch
 
 from hsx.errors import AlignmentError, HsxError
-from hsx.export.files import INFO, all_finite, atomic_write, claim, clean_temps, fingerprint, inside, write_json
+from hsx.export.files import (INFO, all_finite, atomic_write, claim, clean_temps, fingerprint, inside, source_name,
+                              write_json)
 from hsx.export.hfdisk import DiskDatasetWriter
 from hsx.export.layers import BoundarySlice, find_boundary, num_layers_of, require_every_position
 from hsx.shards import ShardDataset, open_shards
@@ -240,7 +241,7 @@ def export_speculators(src: str | Path | ShardDataset, dst: str | Path, *, targe
     meta = ds.metadata
     aux, slices, width = _plan(meta, target_layer_ids, where)
     dst = Path(dst)
-    info = _info(meta, where if isinstance(src, ShardDataset) else str(Path(src).resolve()), aux, width)
+    info = _info(meta, where if isinstance(src, ShardDataset) else source_name(src), aux, width)
     claim(dst, info, lambda d: any(d.iterdir()))
     inside(dst, dst / HIDDEN_DIR).mkdir(exist_ok=True)
     clean_temps(dst)

@@ -74,7 +74,7 @@ class Reference:
 
         try:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                         attn_implementation="sdpa")
+                                                         attn_implementation="sdpa", use_kernels=False)
         except (OSError, ValueError) as e:
             raise HsxError(f"cannot load model {path!r} for the recompute: {e}") from None
         return Reference.wrap(model.to(device).eval())

@@ -40,6 +40,7 @@ from hsx.shards import format as fmt
 from hsx.shards import positions
 from hsx.shards.manifest import ShardEntry
 from hsx.shards.reader import _checksum, check_schema, open_shards, row_labels
+from hsx.shards.store import is_remote, open_ranged
 
 LABELS = ("token_id", "next_token", "position", "sample_index")
 SAMPLES_PER_READ = 16  # samples decoded at a time: memory is this many samples, not a whole row group
@@ -113,7 +114,7 @@ class TokenLoader(IterableDataset):
             _check_file(path, entry)
             checked.add(block.shard)
         # no pre-buffering: a row group's column chunks are read page by page, not held whole
-        f = pq.ParquetFile(path, page_checksum_verification=entry is None, pre_buffer=False, buffer_size=1 << 20)
+        f = _parquet(path, entry)
         meta = fmt.read_metadata(f.schema_arrow, str(path))
         check_schema(f.schema_arrow, meta, str(path))
         first = block.first_sample  # the next sample to start; a long sample's later pieces belong to the one before
@@ -148,8 +149,7 @@ class TokenLoader(IterableDataset):
         for layer in self._layers:
             try:
                 # a reader of its own per column: a ParquetFile keeps its last column chunk's compressed bytes
-                reader = pq.ParquetFile(path, metadata=f.metadata, page_checksum_verification=entry is None,
-                                        pre_buffer=False, buffer_size=1 << 20)
+                reader = _parquet(path, entry, f.metadata)
                 col = reader.read_row_group(g, columns=[layer["name"]], use_threads=False).column(0)
                 del reader
             except (pa.ArrowException, OSError) as e:
@@ -323,7 +323,7 @@ def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]
 def _row_groups(path: Path) -> list[int]:
     """Samples that start in each row group of a shard (a long sample's later pieces start none)."""
     try:
-        f = pq.ParquetFile(path)
+        f = pq.ParquetFile(open_ranged(path, 1 << 20))
         md = f.metadata
         if fmt.FIRST_ROW.name not in f.schema_arrow.names:
             return [md.row_group(g).num_rows for g in range(md.num_row_groups)]
@@ -335,13 +335,25 @@ def _row_groups(path: Path) -> list[int]:
         raise ShardError(f"{path}: unreadable Parquet ({e})") from None
 
 
+def _parquet(path, entry: ShardEntry | None, metadata=None) -> pq.ParquetFile:
+    """A shard opened to read row groups from, page by page (no pre-buffering: a row group's column chunks
+    are not held whole); in an object store by ranged reads of what is read, never the whole object. Page
+    CRCs are checked where no whole-file checksum was (no manifest entry, or an object in a store)."""
+    return pq.ParquetFile(open_ranged(path), metadata=metadata, pre_buffer=False, buffer_size=1 << 20,
+                          page_checksum_verification=entry is None or is_remote(path))
+
+
 def _check_file(path: Path, entry: ShardEntry | None) -> None:
-    """Size and whole-file checksum against the manifest (without one, page CRCs are checked on read)."""
+    """Size and whole-file checksum against the manifest (without one, page CRCs are checked on read). An
+    object in a store has its size checked and its pages' CRCs on read: its checksum would mean reading it
+    whole, where the loader reads only the row groups and columns it asks for."""
     if entry is None:
         return
     size = path.stat().st_size
     if size != entry.bytes:
         raise ShardError(f"{path}: {size} bytes on disk, manifest says {entry.bytes} (truncated or rewritten)")
+    if is_remote(path):
+        return
     with pa.OSFile(str(path)) as source:  # through one small buffer: a shard opened mid-pass adds next to nothing
         digest = _checksum(source)
     if digest != entry.xxh3_128:

@@ -23,6 +23,7 @@ a path, a message, the saved config or the manifest.
 
 from __future__ import annotations
 
+import io
 import os
 import tempfile
 import threading
@@ -79,6 +80,17 @@ def open_input(path, local):
     return local(str(path))
 
 
+def open_ranged(path, buffer_size: int = 8 << 20):
+    """A readable, seekable pyarrow file that reads only the bytes asked for: ``pa.OSFile`` for a local path;
+    for an ObjectPath, ranged GETs of ``buffer_size`` bytes or more (a Parquet reader then fetches the
+    footer and the column chunks it reads, not the object)."""
+    if isinstance(path, ObjectPath):
+        return path.store.open_ranged(path.key, buffer_size)
+    import pyarrow as pa
+
+    return pa.OSFile(str(path))
+
+
 def spool_file(path) -> Path:
     """The local file a shard destined for ``path`` is encoded into: ``path`` itself when it is local, else a
     new file in the spool directory (removed once uploaded, or by the writer's abort)."""
@@ -96,8 +108,9 @@ _STORES_LOCK = threading.Lock()
 def store_for(bucket: str) -> "ObjectStore":
     """One store object per bucket and client configuration in a process, so that the ETags it has
     seen (what a conditional put compares against) are shared by every path into it."""
-    env = tuple(os.environ.get(k) for k in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_PROFILE", "AWS_REGION",
-                                            "AWS_ACCESS_KEY_ID"))
+    # keyed by process too: a client's connections must not be shared with a forked child (a DataLoader worker)
+    env = (os.getpid(), *(os.environ.get(k) for k in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_PROFILE",
+                                                       "AWS_REGION", "AWS_ACCESS_KEY_ID")))
     with _STORES_LOCK:
         store = _STORES.get((bucket, env))
         if store is None:
@@ -213,6 +226,26 @@ class ObjectStore:
         finally:
             os.unlink(tmp)
 
+    def open_ranged(self, key: str, buffer_size: int = 8 << 20):
+        """The object as a seekable pyarrow file read by ranged GETs (:class:`_RangedObject`)."""
+        import pyarrow as pa
+
+        info = self.head(key)
+        if info is None:
+            raise FileNotFoundError(2, "no such object", self.where(key))
+        raw = _RangedObject(self, key, int(info["ContentLength"]), info.get("ETag"))
+        return pa.PythonFile(io.BufferedReader(raw, buffer_size), mode="r")
+
+    def get_range(self, key: str, start: int, stop: int, etag: str | None) -> bytes:
+        """Bytes ``start..stop-1`` of an object; ``etag``: only of that version of it (a rewrite is an error)."""
+        extra = {"IfMatch": etag} if etag else {}
+        try:
+            r = self._call("read", key, self.client.get_object, Bucket=self.bucket, Key=key,
+                           Range=f"bytes={start}-{stop - 1}", **extra)
+        except ConditionFailed:
+            raise StoreError(f"{self.where(key)}: rewritten while it was being read") from None
+        return self._call("read", key, r["Body"].read)
+
     def spool(self) -> Path:
         """Where shards are encoded before their upload, and downloaded for reading: ``HSX_SPOOL``, else
         the temp directory."""
@@ -222,6 +255,39 @@ class ObjectStore:
                 Path(base).mkdir(parents=True, exist_ok=True)
             self._spool = Path(base or tempfile.gettempdir())
         return self._spool
+
+
+class _RangedObject(io.RawIOBase):
+    """A read-only, seekable raw file over one version of an object: each read is one ranged GET."""
+
+    def __init__(self, store: ObjectStore, key: str, size: int, etag: str | None):
+        super().__init__()
+        self.store, self.key, self.size, self.etag, self.pos = store, key, size, etag, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.size}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, b) -> int:
+        n = min(len(b), self.size - self.pos)
+        if n <= 0:
+            return 0
+        data = self.store.get_range(self.key, self.pos, self.pos + n, self.etag)
+        if len(data) != n:
+            raise StoreError(f"{self.store.where(self.key)}: asked for {n} bytes at {self.pos}, got {len(data)}")
+        b[:n] = data
+        self.pos += n
+        return n
 
 
 @dataclass(frozen=True)
@@ -243,6 +309,10 @@ class ObjectPath:
 
     def __repr__(self) -> str:
         return f"ObjectPath({str(self)!r})"
+
+    def __reduce__(self):
+        # a copy in another process (a DataLoader worker, a Ray task) gets a client of its own
+        return as_path, (str(self),)
 
     def __eq__(self, other) -> bool:
         return isinstance(other, ObjectPath) and (other.store, other.key) == (self.store, self.key)

@@ -20,7 +20,7 @@ from hsx.shards.lock import LOCK
 from hsx.shards.manifest import (CONFIG, LEGACY_CONFIG, LEGACY_MANIFEST, MANIFEST, Manifest, ShardEntry, load_manifest,
                                  shard_path)
 from hsx.shards.reader import load_shard
-from hsx.shards.store import as_path
+from hsx.shards.store import as_path, open_ranged
 
 
 @dataclass
@@ -198,14 +198,16 @@ def _first_pieces(table: pa.Table) -> pa.Table:
 
 def _read_schema(path: Path) -> pa.Schema:
     try:
-        return pq.read_schema(path)
+        with open_ranged(path, 1 << 20) as f:
+            return pq.read_schema(f)
     except (pa.ArrowException, OSError) as e:
         raise ShardError(f"{path}: not a readable Parquet file ({e})") from None
 
 
 def _read_columns(path: Path, cols: list[str]) -> pa.Table:
     try:
-        return pq.read_table(path, columns=cols)
+        with open_ranged(path, 1 << 20) as f:  # in a store: the footer and these columns' chunks only
+            return pq.read_table(f, columns=cols)
     except FileNotFoundError:
         raise ShardError(f"{path}: shard listed in the manifest is missing") from None
     except (pa.ArrowException, OSError) as e:
@@ -213,8 +215,8 @@ def _read_columns(path: Path, cols: list[str]) -> pa.Table:
 
 
 def inspect(path: str | Path) -> dict:
-    """Summary of an output directory or file, reading only the small metadata columns."""
-    path = Path(path)
+    """Summary of an output directory or file (local or ``s3://``), reading only the small metadata columns."""
+    path = as_path(path)
     if path.is_dir():
         m = load_manifest(path)
         files = [shard_path(path, s.file) for s in m.shards]

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -18,9 +19,11 @@ from typer.testing import CliRunner
 
 import hsx
 from hsx.cli import app
+from hsx.config import ExtractConfig
 from hsx.demo.models import build_tiny_llama
 from hsx.demo.tokenizer import build_demo_tokenizer
 from hsx.errors import HsxError
+from hsx.pipeline import extract
 from hsx.shards import Manifest, ShardSink
 from hsx.shards.lease import LEASE, Lease
 from hsx.shards.manifest import MANIFEST, load_manifest
@@ -393,4 +396,47 @@ def test_ray_workers_upload_their_shards_and_the_driver_commits(s3_env, model_di
     m = load_manifest(out)
     assert m.complete and all(s.file.startswith("shard-") for s in m.shards)
     assert visible_parquet(s3_env, "ray") == {s.file for s in m.shards}
+    assert_same_output(local_run, out)
+
+
+def test_a_ray_worker_killed_while_uploading_has_its_unit_rerun_each_sample_once(s3_env, model_dir, local_run, tmp_path):
+    ray = pytest.importorskip("ray")
+    out = uri(s3_env, "ray-killed")
+    hold = tmp_path / "held"
+    tests = str(Path(__file__).resolve().parent)
+    env = {**s3_env.env(), "HSX_TEST_HOLD": str(hold), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([tests, str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": env, "worker_process_setup_hook": "hold_upload.hold_first_upload"})
+    result: dict = {}
+    try:
+        def run():
+            try:
+                result["summary"] = extract(
+                    ExtractConfig(model=model_dir, dataset=str(PROMPTS), output=out, id_field="id",
+                                             mode="prefill", batch_size=1, max_shard_samples=4, ray=True, num_workers=2,
+                                             cpus_per_worker=0.5, unit_size=8, window=8), progress=False)
+            except BaseException as e:  # reported below
+                result["error"] = e
+
+        driver = threading.Thread(target=run)
+        driver.start()
+        deadline = time.monotonic() + HANG_GUARD_S
+        while not hold.exists() and driver.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert hold.exists(), f"no upload was held ({result.get('error')!r})"
+        time.sleep(0.2)  # the holder has written its line
+        pid, key = hold.read_text().split()
+        os.kill(int(pid), signal.SIGKILL)
+        print(f"killed worker {pid} while it uploaded {key}")
+        driver.join(timeout=5 * HANG_GUARD_S)
+        assert not driver.is_alive(), "the run did not finish after its worker was killed"
+    finally:
+        ray.shutdown()
+    assert "error" not in result, result.get("error")
+    assert result["summary"].retried >= 1, "the killed worker's unit was not retried"
+    m = load_manifest(out)
+    ids = [i for s in m.shards for i in s.sample_ids]
+    assert m.complete and len(ids) == len(set(ids)) == 40  # each sample once
+    assert visible_parquet(s3_env, "ray-killed") == {s.file for s in m.shards}
     assert_same_output(local_run, out)

@@ -4,7 +4,8 @@ A SeaweedFS server (tests/s3_server.py, from the test extra) is started on 127.0
 directory on the same disk as the local output. The same records (random bf16 rows, W = 1024,
 samples of 200-600 rows) go through ``BackgroundSink`` (the extract's writer: lanes, shard
 commits, manifest saves) into ``DIR`` and into ``s3://BUCKET/bench``; then ``hsx.open`` reads every
-sample's rows back from each. MB/s are the raw bytes of the hidden rows per second; each side runs
+sample's rows back from each, and ``hsx.tokens_loader`` makes one pass over each (the store's with
+its read-ahead of 2 batches, and without: ``read_ahead=0``). MB/s are the raw bytes of the hidden rows per second; each side runs
 ``--repeats`` times, alternating, after an untimed warm-up of each, and the median is kept. The store's figures are also given as a
 ratio of local disk's, measured minutes apart on the same machine.
 
@@ -82,6 +83,17 @@ def read(out) -> tuple[float, int]:
     return time.perf_counter() - t0, n
 
 
+def loader_pass(out, read_ahead: int) -> tuple[float, int]:
+    """One pass of ``hsx.tokens_loader`` in storage order (the store: ranged reads, ``read_ahead`` batches ahead)."""
+    import hsx
+
+    t0 = time.perf_counter()
+    n = 0
+    for batch in hsx.tokens_loader(out, batch_size=4096, shuffle_buffer=0, read_ahead=read_ahead):
+        n += batch["final"].numel() * 2
+    return time.perf_counter() - t0, n
+
+
 def clear(out) -> None:
     from hsx.shards.store import as_path
 
@@ -115,7 +127,8 @@ def main() -> None:
         records, raw = make_records(args.mb)
         for codec in args.codecs.split(","):
             places = {"local disk": str(root / "local"), "object store": f"s3://{server.bucket}/bench"}
-            timing = {name: {"write": [], "read": []} for name in places}
+            kinds = ("write", "read", "loader", "loader_no_ahead")
+            timing = {name: {k: [] for k in kinds} for name in places}
             for out in places.values():  # warm-up, not timed: imports, the store's first connections
                 clear(out)
                 write(out, records[:8], codec)
@@ -127,16 +140,21 @@ def main() -> None:
                     seconds, read_bytes = read(out)
                     assert read_bytes == raw, (name, read_bytes, raw)
                     timing[name]["read"].append(seconds)
-            base = {k: statistics.median(timing["local disk"][k]) for k in ("write", "read")}
+                    for kind, ahead in (("loader", 2), ("loader_no_ahead", 0)):
+                        seconds, read_bytes = loader_pass(out, ahead)
+                        assert read_bytes == raw, (name, kind, read_bytes, raw)
+                        timing[name][kind].append(seconds)
+            base = {k: statistics.median(timing["local disk"][k]) for k in kinds}
             for name in places:
-                med = {k: statistics.median(timing[name][k]) for k in ("write", "read")}
-                row = {"codec": codec, "where": name, "raw_mb": raw / 1e6,
-                       "write_mb_s": raw / 1e6 / med["write"], "read_mb_s": raw / 1e6 / med["read"],
-                       "write_x_local": base["write"] / med["write"], "read_x_local": base["read"] / med["read"],
-                       "write_s": timing[name]["write"], "read_s": timing[name]["read"]}
+                med = {k: statistics.median(timing[name][k]) for k in kinds}
+                row = {"codec": codec, "where": name, "raw_mb": raw / 1e6}
+                for k in kinds:
+                    row[f"{k}_mb_s"] = raw / 1e6 / med[k]
+                    row[f"{k}_x_local"] = base[k] / med[k]
+                    row[f"{k}_s"] = timing[name][k]
                 results.append(row)
-                print(f"{codec:12s} {name:13s} write {row['write_mb_s']:7.1f} MB/s ({row['write_x_local']:.2f}x local)"
-                      f"  read {row['read_mb_s']:7.1f} MB/s ({row['read_x_local']:.2f}x local)", flush=True)
+                print(f"{codec:12s} {name:13s}" + "".join(f"  {k} {row[k + '_mb_s']:7.1f} MB/s ({row[k + '_x_local']:.2f}x)"
+                                                         for k in kinds), flush=True)
             clear(places["object store"])
     finally:
         server.stop()

@@ -123,3 +123,31 @@ def test_inspect_verify_and_recompute_read_the_store(runs, s3_env):
     assert checked.exit_code == 0, checked.output
     report = recompute(runs["remote"], model=str(runs["model"]), progress=False)
     assert report.ok and report.rows == recompute(runs["local"], model=str(runs["model"]), progress=False).rows > 0
+
+
+def test_the_loaders_read_ahead_stops_with_its_consumer_and_hands_on_a_stores_error(runs, s3_env):
+    import gc
+    import threading
+
+    def readers() -> list:
+        return [t for t in threading.enumerate() if t.name == "hsx-loader-read-ahead"]
+
+    it = iter(hsx.tokens_loader(runs["remote"], batch_size=3, shuffle_buffer=0))
+    next(it)
+    assert len(readers()) == 1
+    it.close()  # a consumer that stops early: the thread ends, nothing is left reading
+    del it
+    gc.collect()
+    assert not readers()
+
+    # a copy of the output with one shard gone from the store: the error names it, on the consumer's side
+    client, bucket = s3_env.client(), s3_env.bucket
+    for o in client.list_objects_v2(Bucket=bucket, Prefix="readers/")["Contents"]:
+        client.copy_object(Bucket=bucket, Key="gone/" + o["Key"].split("/", 1)[1],
+                           CopySource={"Bucket": bucket, "Key": o["Key"]})
+    victim = hsx.open(f"s3://{bucket}/gone")._entries[-1].file
+    loader = hsx.tokens_loader(f"s3://{bucket}/gone", batch_size=3, shuffle_buffer=0)
+    client.delete_object(Bucket=bucket, Key=f"gone/{victim}")
+    with pytest.raises(hsx.HsxError, match=victim):
+        list(loader)
+    assert not readers()

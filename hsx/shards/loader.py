@@ -15,6 +15,12 @@ Batches are memory of their own: keeping one keeps only its rows.
   are emitted. ``shuffle_buffer=0`` keeps storage order.
 - ``where`` picks rows by the position rules of :mod:`hsx.shards.positions` (all, completion,
   loss, last) among the rows the shards store.
+- From an object store (``s3://``) each block's footer and column chunks are fetched by ranged
+  reads, never a whole shard; its size is checked against the manifest and its pages' CRCs as they
+  are read (the whole-file checksum would mean fetching it all). ``read_ahead`` (default 2) batches
+  of rows are read on a thread of their own ahead of the consumer, so that the store's round trips
+  overlap decoding and training; it costs that many batches of rows in memory. Local shards are
+  read on the consumer's thread.
 
 Batches are dicts: each column ``[B, W]`` in the stored dtype, ``token_id`` (the row's input
 token), ``next_token`` (the token it predicts, -1 after the last), ``position`` and
@@ -24,6 +30,8 @@ Use it with ``DataLoader(loader, batch_size=None, num_workers=...)``: it batches
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,7 +69,7 @@ class TokenLoader(IterableDataset):
 
     def __init__(self, path: str | Path, columns: Sequence[str] | None = None, where: str = "all",
                  batch_size: int = 1024, shuffle_buffer: int = 1 << 16, seed: int = 0, drop_last: bool = False,
-                 rank: int | None = None, world_size: int | None = None):
+                 rank: int | None = None, world_size: int | None = None, read_ahead: int = 2):
         ds = open_shards(path)
         self.metadata = ds.metadata
         self.columns = list(columns) if columns is not None else ds.columns
@@ -75,6 +83,9 @@ class TokenLoader(IterableDataset):
             raise HsxError(f"batch_size must be >= 1 and shuffle_buffer >= 0; got {batch_size}, {shuffle_buffer}")
         self.batch_size, self.shuffle_buffer, self.seed, self.drop_last = batch_size, shuffle_buffer, seed, drop_last
         self.rank, self.world_size = _rank_and_world(rank, world_size)
+        if read_ahead < 0:
+            raise HsxError(f"read_ahead must be >= 0, got {read_ahead}")
+        self.read_ahead = int(read_ahead)
         self.epoch = 0
         self.sample_ids = ds.sample_ids
         # a sample's place in the shards -> its index in hsx.open(path) (source order, format 3)
@@ -197,14 +208,17 @@ class TokenLoader(IterableDataset):
         buffer = _ShuffleBuffer(self.shuffle_buffer, rng)
         batches = _Batcher(self.batch_size)
         checked: set[int] = set()
-        for block in self._blocks(consumer, consumers):
-            for rows in self._read(block, checked):
-                if self.shuffle_buffer:
-                    order = rng.permutation(len(rows["position"]))
-                    rows = {k: v[order] for k, v in rows.items()}
-                for out in buffer.push(rows):
-                    yield from (self._tensors(b) for b in batches.add(out))
-                rows = out = None  # a long sample's piece goes before the next one is read
+        blocks = self._blocks(consumer, consumers)
+        stream = (rows for block in blocks for rows in self._read(block, checked))
+        if self.read_ahead and any(is_remote(self._paths[b.shard]) for b in blocks):
+            stream = _ahead(stream, self.read_ahead)  # the store's round trips overlap the decoding and the training
+        for rows in stream:
+            if self.shuffle_buffer:
+                order = rng.permutation(len(rows["position"]))
+                rows = {k: v[order] for k, v in rows.items()}
+            for out in buffer.push(rows):
+                yield from (self._tensors(b) for b in batches.add(out))
+            rows = out = None  # a long sample's piece goes before the next one is read
         for out in buffer.drain():
             yield from (self._tensors(b) for b in batches.add(out))
         last = batches.flush()
@@ -309,6 +323,47 @@ class _Batcher:
         return {k: np.concatenate([p[k] for p in taken]) for k in taken[0]}
 
 
+def _ahead(items: Iterator, depth: int) -> Iterator:
+    """``items``, produced on a thread of their own up to ``depth`` ahead of the consumer (an error is raised
+    here, where the consumer takes the item it replaced); the thread ends when the consumer stops taking."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def produce() -> None:
+        try:
+            for item in items:
+                while not stop.is_set():
+                    try:
+                        q.put((item, None), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put((done, None))
+        except BaseException as e:  # handed to the consumer
+            q.put((done, e))
+
+    thread = threading.Thread(target=produce, name="hsx-loader-read-ahead", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item, error = q.get()
+            if item is done:
+                if error is not None:
+                    raise error
+                return
+            yield item
+    finally:
+        stop.set()
+        while thread.is_alive():  # let a producer blocked on a full queue see the stop
+            try:
+                q.get_nowait()
+            except queue.Empty:
+                thread.join(timeout=0.1)
+
+
 def _rank_and_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if rank is None or world_size is None:
         dist = torch.distributed
@@ -349,7 +404,10 @@ def _check_file(path: Path, entry: ShardEntry | None) -> None:
     whole, where the loader reads only the row groups and columns it asks for."""
     if entry is None:
         return
-    size = path.stat().st_size
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise ShardError(f"{path}: shard listed in the manifest is missing") from None
     if size != entry.bytes:
         raise ShardError(f"{path}: {size} bytes on disk, manifest says {entry.bytes} (truncated or rewritten)")
     if is_remote(path):

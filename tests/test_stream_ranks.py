@@ -91,6 +91,10 @@ def ranks_main(scenario: str, run_file: str, out_dir: str, vocab: int) -> None:
     rank, world = ranks_from()  # from torchrun's RANK and WORLD_SIZE, as the feed takes them
     result: dict = {"rank": rank, "world": world, "pid": os.getpid()}
     dist.init_process_group("gloo")
+    if scenario == "eagle3":
+        eagle3_main(rank, run_file, out)
+        dist.destroy_process_group()
+        return
     feed = hsx.stream(run_file, ahead=2, rank_timeout=HANG_GUARD)
     try:
         if scenario == "main":
@@ -150,6 +154,23 @@ def ranks_main(scenario: str, run_file: str, out_dir: str, vocab: int) -> None:
     dist.destroy_process_group()
 
 
+def eagle3_main(rank: int, run_file: str, out: Path) -> None:
+    """One pass of an Eagle3Stream on this rank (padded to equal counts), its samples written out."""
+    from safetensors.torch import save_file
+
+    from hsx.eagle3 import Eagle3Stream
+
+    stream = Eagle3Stream(run_file, remainder="pad", rank_timeout=HANG_GUARD)
+    try:
+        samples = list(stream)
+    finally:
+        stream.feed.close()
+    save_file({f"{k}/{key}": v.contiguous() for k, s in enumerate(samples) for key, v in s.items()
+               if isinstance(v, torch.Tensor)}, str(out / f"eagle3-rank{rank}.safetensors"))
+    (out / f"eagle3-rank{rank}.json").write_text(json.dumps([{"sample_id": s["sample_id"], "padding": s.get("padding", False)}
+                                                             for s in samples]))
+
+
 if __name__ == "__main__":
     ranks_main(sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]))
     sys.exit(0)
@@ -200,9 +221,10 @@ def cluster():
     ray.shutdown()
 
 
-def torchrun(setup, address: str, scenario: str, out: Path, monitor_interval: float = 0.5) -> subprocess.Popen:
+def torchrun(setup, address: str, scenario: str, out: Path, monitor_interval: float = 0.5,
+             cfg: ExtractConfig | None = None) -> subprocess.Popen:
     run_file = out / "run.json"
-    run_file.write_text(json.dumps(shared(setup, address).to_dict()))
+    run_file.write_text(json.dumps((cfg or shared(setup, address)).to_dict()))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts",
            "0", "--monitor-interval", str(monitor_interval), __file__, scenario, str(run_file), str(out),
@@ -351,6 +373,57 @@ def test_a_rank_that_stops_or_dies_ends_the_pass_on_the_other(setup, cluster, tm
         assert result["early_items"] < -(-NUM_RECORDS // 2) + 1  # held back: not its whole share
     assert KILLED[victim] in result["killed"], result["killed"]
     assert result["killed_items"] < NUM_RECORDS // 2  # held back by the pool, not run to the end
+
+
+@pytest.mark.slow
+def test_an_eagle3_stream_on_two_ranks_is_the_offline_dataset_shared(setup, cluster, tmp_path):
+    from safetensors.torch import load_file
+
+    from hsx.demo.models import build_tiny_llama
+    from hsx.demo.tokenizer import build_demo_tokenizer
+    from hsx.eagle3 import Eagle3Dataset
+    from hsx.pipeline import extract
+
+    tok = build_demo_tokenizer()
+    model = build_tiny_llama(num_layers=8, hidden_size=HIDDEN, vocab_size=len(tok), seed=5,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model.save_pretrained(tmp_path / "target8")
+    tok.save_pretrained(tmp_path / "target8")
+    eagle3 = dict(model=str(tmp_path / "target8"), layers="final,eagle3")
+    cfg = config(setup, **eagle3, ray=True, ray_address=cluster, num_workers=2, cpus_per_worker=0.5, unit_size=4)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the one compute thread a Ray worker of half a CPU gets
+    try:
+        extract(config(setup, **eagle3, output=str(tmp_path / "offline")), progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    offline = Eagle3Dataset(tmp_path / "offline")
+    assert len(offline) == NUM_RECORDS
+    proc = torchrun(setup, cluster, "eagle3", tmp_path, cfg=cfg)
+    try:
+        code = proc.wait(timeout=HANG_GUARD)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert code == 0, (tmp_path / "torchrun.log").read_text()[-4000:]
+    for r in range(2):
+        listed = json.loads((tmp_path / f"eagle3-rank{r}.json").read_text())
+        tensors = load_file(str(tmp_path / f"eagle3-rank{r}.safetensors"))
+        assert len(listed) == NUM_RECORDS // 2 + 1  # padded: both ranks take the same number of steps
+        want = list(range(r, NUM_RECORDS, 2)) + ([0] if r == 1 else [])  # the short rank repeats sample 0
+        assert [x["padding"] for x in listed] == [False] * (len(want) - r) + [True] * r
+        for k, (item, i) in enumerate(zip(listed, want)):
+            ref = offline[i]
+            assert item["sample_id"] == ref["sample_id"], (r, k)
+            for key, t in ref.items():
+                if not isinstance(t, torch.Tensor):
+                    continue
+                got = tensors[f"{k}/{key}"]
+                if key == "loss_mask" and item["padding"]:
+                    assert not got.any()  # a padding sample adds nothing to a masked loss
+                    continue
+                assert got.dtype == t.dtype and torch.equal(got.view(torch.uint8), t.contiguous().view(torch.uint8)), \
+                    (r, k, key)
 
 
 def test_share_splits_by_record_and_evens_the_remainder():

@@ -22,7 +22,8 @@ from hsx.errors import ShardError
 from hsx.export import export_saelens, export_speculators
 from hsx.shards import format as fmt
 from hsx.shards import loader as loader_mod
-from hsx.shards.reader import _Shard, open_shards
+from hsx.shards.reader import open_shards
+from hsx.shards.shard import Shard
 from shard_fixtures import bits, finite_records, make_metadata, random_records, write_sink
 
 LOSSLESS = ["bfloat16", "float16", "float32"]
@@ -171,13 +172,13 @@ def test_arrow_memory_of_reads_of_a_long_sample_is_about_one_piece(long_sample):
 def test_the_exports_read_a_long_sample_a_piece_at_a_time(long_sample, tmp_path, monkeypatch):
     d, meta, _ = long_sample
     reads = {"whole": 0}
-    hidden = _Shard.hidden
+    hidden = Shard.hidden
 
     def counted(self, name, row):
         reads["whole"] += int(self._span[row + 1] - self._span[row] > 1)
         return hidden(self, name, row)
 
-    monkeypatch.setattr(_Shard, "hidden", counted)
+    monkeypatch.setattr(Shard, "hidden", counted)
     export_speculators(d, tmp_path / "spec", target_layer_ids=[1, 2], progress=False)
     export_saelens(d, tmp_path / "sae", column="b4", context_size=64, progress=False)
     assert reads["whole"] == 0  # never the whole long sample at once

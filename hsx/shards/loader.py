@@ -47,7 +47,8 @@ from hsx.errors import HsxError, ShardError
 from hsx.shards import format as fmt
 from hsx.shards import positions
 from hsx.shards.manifest import ShardEntry
-from hsx.shards.reader import _checksum, check_schema, open_shards, row_labels
+from hsx.shards.reader import open_shards, row_labels
+from hsx.shards.shard import check_schema, checksum
 from hsx.shards.store import is_remote, open_ranged
 
 LABELS = ("token_id", "next_token", "position", "sample_index")
@@ -413,7 +414,7 @@ def _check_file(path: Path, entry: ShardEntry | None) -> None:
     if is_remote(path):
         return
     with pa.OSFile(str(path)) as source:  # through one small buffer: a shard opened mid-pass adds next to nothing
-        digest = _checksum(source)
+        digest = checksum(source)
     if digest != entry.xxh3_128:
         raise ShardError(f"{path}: checksum {digest} does not match the manifest's {entry.xxh3_128} (corrupt)")
 

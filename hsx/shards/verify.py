@@ -19,7 +19,7 @@ from hsx.shards.lease import LEASE
 from hsx.shards.lock import LOCK
 from hsx.shards.manifest import (CONFIG, LEGACY_CONFIG, LEGACY_MANIFEST, MANIFEST, Manifest, ShardEntry, load_manifest,
                                  shard_path)
-from hsx.shards.reader import load_shard
+from hsx.shards.shard import load_shard
 from hsx.shards.store import as_path, open_ranged
 
 

@@ -7,6 +7,8 @@ the same on every machine; scripts/long_sample_memory.py measures the resident p
 
 from __future__ import annotations
 
+import gc
+
 import io
 from contextlib import contextmanager
 from pathlib import Path
@@ -121,12 +123,20 @@ def arrow_peak():
     parent = pa.default_memory_pool()
     proxy = pa.proxy_memory_pool(parent)
     _PROXIES.append(proxy)
+    gc.collect()  # no garbage of earlier work freed inside the block, whenever a collection would come
+    gc.disable()  # and none collected in it: what the block frees, it frees by reference counts alone
+    # one Arrow thread: columns decoded in parallel (the shard's small columns are) overlap by the
+    # scheduler's whim, and the peak with them; one at a time it is the same on every run
+    threads = pa.cpu_count()
+    pa.set_cpu_count(1)
     pa.set_memory_pool(proxy)
     got = {}
     try:
         yield got
     finally:
         pa.set_memory_pool(parent)
+        pa.set_cpu_count(threads)
+        gc.enable()
         got["peak"] = proxy.max_memory()
 
 

@@ -286,6 +286,7 @@ def test_a_second_writer_is_refused_naming_the_lease_holder(s3_env, model_dir):
         result = CliRunner().invoke(app, extract_args(model_dir, out))
         assert isinstance(result.exception, HsxError), result.output
         message = str(result.exception)
+        print(f"second writer refused: {message}")
         assert f"pid {first.pid}" in message and "being written by another hsx run" in message
         holder = json.loads((as_path(out) / LEASE).read_text())
         assert holder["holder"] in message and holder["host"] in message
@@ -367,6 +368,7 @@ def test_the_store_stopped_mid_run_then_restarted_resumes_to_the_uninterrupted_o
         _, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 2, stderr
         error = stderr.strip().splitlines()[-1]
+        print(f"store stopped mid-run: {error}")
         assert server.endpoint in error and f"s3://{server.bucket}/stopped/" in error, error
         assert "while uploading shard shard-" in error and "stay committed" in error, error
         assert "Traceback" not in stderr, stderr

@@ -371,6 +371,7 @@ def test_a_rank_that_stops_or_dies_ends_the_pass_on_the_other(setup, cluster, tm
     if survivor == 0:
         assert "rank 1 stopped its pass early in pass 0" in result["early"]
         assert result["early_items"] < -(-NUM_RECORDS // 2) + 1  # held back: not its whole share
+    print(f"rank {victim} killed; rank {survivor} got: {result['killed']}")
     assert KILLED[victim] in result["killed"], result["killed"]
     assert result["killed_items"] < NUM_RECORDS // 2  # held back by the pool, not run to the end
 

@@ -7,7 +7,9 @@ a :class:`pathlib.Path` for ``/local/dir``, an :class:`ObjectPath` for ``s3://bu
 ``replace``) and what a store adds: :meth:`ObjectPath.commit_bytes`, a put that succeeds only if
 the object is unchanged since this process last read or wrote it (``If-Match`` on its ETag) or, when
 it has not seen it, only if it does not exist (``If-None-Match: *``); :meth:`ObjectPath.upload` of a
-local file; reads through :func:`open_input`.
+local file; reads through :func:`open_input` (the object downloaded whole, for a reader that checks
+its checksum) or :func:`open_ranged` (ranged GETs of what is read, for the token loader and
+``inspect``).
 
 A store has no rename, so a shard is encoded into a local spool file (:func:`spool_file`, under
 ``HSX_SPOOL`` or the temp directory), uploaded under its hidden staging name, committed to the

@@ -16,6 +16,7 @@ bytes, all columns):
   specforge    hsx.eagle3.export.export_specforge(out, ...): one .ckpt of both columns
   speculators  hsx.export.export_speculators(out, target_layer_ids=[1, 2]): hidden_states [T, 3, H]
   saelens      hsx.export.export_saelens(out, column="b4", context_size=1024): float32 contexts
+  verify       hsx.shards.verify.verify(out): checksums, every row group's cells, row counts, NaN/Inf
 
 Before its peak is reset each step runs once on a 64-token sample of the same layout (--cold: not),
 so that what a library sets up on first use (code pages, thread pools, lazy imports) is not counted
@@ -42,7 +43,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ("write", "read", "part", "decode", "loader", "specforge", "speculators", "saelens")
+STEPS = ("write", "read", "part", "decode", "loader", "specforge", "speculators", "saelens", "verify")
 WARM_TOKENS = 64
 VOCAB = 1000  # token ids of the sample: arange % VOCAB, so that SpecForge's vocabulary count stays small
 
@@ -134,6 +135,12 @@ def _run(kind: str, out: Path, meta: dict, kept: list, cells: list | None) -> No
         from hsx.export import export_saelens
 
         export_saelens(out, dst, column="b4", context_size=1024, progress=False)
+    elif kind == "verify":
+        from hsx.shards.verify import verify
+
+        report = verify(out)
+        assert report.ok, [f for s in report.shards for f in s.faults] + report.faults
+        kept.append(sum(s.rows for s in report.shards))
     else:
         raise ValueError(kind)
 
@@ -174,7 +181,7 @@ def step(kind: str, out: str, tokens: int, widths: list[int], codec: str, warm: 
         _run(kind, out, meta, kept, cells)
         if kind in ("read", "decode"):
             assert all(t.shape[0] == rows for t in kept), [tuple(t.shape) for t in kept]
-        if kind == "loader":
+        if kind in ("loader", "verify"):
             assert kept == [rows], kept
     return {"peak": _status("VmHWM") - base, "state_bytes": rows * sum(widths) * 2}
 

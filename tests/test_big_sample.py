@@ -1,7 +1,7 @@
 """One sample whose column holds more than 2 GiB, written and read back bit for bit (format 6 pieces).
 
 88,000 rows of a 12,288-wide bfloat16 column (2.01 GiB: Llama-3-8B's ``eagle3`` column at 88K tokens)
-is more than one Parquet page or BYTE_ARRAY value can hold. It takes minutes and up to ~16 GB of memory, so
+is more than one Parquet page or BYTE_ARRAY value can hold. It takes a minute or two and ~5 GB of memory, so
 it runs where ``HSX_BIG_TESTS=1`` (``.ci/run`` sets it), not in every ``scripts/test.sh`` run.
 """
 

@@ -26,6 +26,7 @@ from hsx.shards import format as fmt
 from hsx.shards import loader as loader_mod
 from hsx.shards.reader import open_shards
 from hsx.shards.shard import Shard
+from hsx.shards.verify import verify
 from shard_fixtures import bits, finite_records, make_metadata, random_records, write_sink
 
 LOSSLESS = ["bfloat16", "float16", "float32"]
@@ -264,3 +265,56 @@ def test_a_piece_whose_cells_disagree_with_its_positions_is_refused(tmp_path):
     pq.write_table(bad, lone, row_group_size=1)
     with pytest.raises(ShardError, match=r"lone.parquet.*a piece of 3 rows of column 'l0', its positions column lists 4"):
         hsx.open(lone)
+
+
+def test_verify_reads_a_long_sample_a_row_group_at_a_time(long_sample):
+    d, meta, piece = long_sample
+    with arrow_peak() as checked:
+        report = verify(d)
+    assert report.ok and report.samples == 1, report
+    assert report.shards[0].rows == hsx.open(d)[0].num_rows
+    n = report.shards[0].rows
+    # the shard's small columns (as hsx.open reads them) and about one piece; verify before held the shard
+    # whole (64 pieces' worth of states, read and decoded) while checking it
+    tokens_bytes = 48 * 5 * (n + 1)
+    assert checked["peak"] < 6 * tokens_bytes + 5 * piece, checked["peak"] / piece
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_verify_names_the_sample_and_position_of_a_nan_in_a_later_piece(tmp_path, codec):
+    meta = make_metadata(WIDTHS, "bfloat16", "prefill", codec)
+    records = finite_records(meta, TOKENS, seed=2)
+    records[0].hidden["l1"][30, 3] = float("nan")  # the first long sample's 8th piece of 4 rows
+    records[-1].hidden["l1"][2, 0] = float("inf")
+    write_sink(tmp_path / "whole", meta, records)
+    write_sink(tmp_path / "pieces", meta, records, piece_bytes=piece_bytes(meta, 4), max_shard_samples=4)
+    assert max(pieces_per_sample(tmp_path / "pieces")) >= 8
+    said = {}
+    for name in ("whole", "pieces"):
+        report = verify(tmp_path / name)
+        said[name] = [f for s in report.shards for f in s.faults]
+    first = f"with NaN/Inf (first in sample {records[0].sample_id!r}, position 30)"
+    assert said["whole"] == [f"column 'l1': 2 rows {first}"], said  # one shard
+    last = f"column 'l1': 1 rows with NaN/Inf (first in sample {records[-1].sample_id!r}, position 2)"
+    assert said["pieces"] == [f"column 'l1': 1 rows {first}", last], said  # the second shard of pieces
+
+
+def test_verify_reports_a_piece_that_holds_a_neighbours_row(tmp_path):
+    meta = make_metadata(WIDTHS, "bfloat16", "prefill", "none")
+    write_sink(tmp_path / "out", meta, finite_records(meta, TOKENS), piece_bytes=piece_bytes(meta, 4))
+    (f,) = sorted((tmp_path / "out").glob("shard-*.parquet"))
+    table = pq.read_table(f)
+    first = table.column("first_row").to_numpy()
+    k = int(np.flatnonzero(first > 0)[0])  # a later piece of the first long sample, and the piece after it
+    cells = table.column("l0").to_pylist()
+    cells[k + 1] = cells[k][-1:] + cells[k + 1]  # a row moved to the next piece: the sample's rows in all unchanged
+    cells[k] = cells[k][:-1]
+    bad = table.set_column(table.schema.get_field_index("l0"), table.schema.field("l0"),
+                           pa.array(cells, table.schema.field("l0").type))
+    lone = tmp_path / "lone.parquet"
+    pq.write_table(bad, lone, row_group_size=1)
+    report = verify(lone)
+    faults = report.shards[0].faults
+    assert faults == [f"sample {table.column('sample_id')[k].as_py()!r}: a piece holds 3 rows of 'l0', "
+                      "its positions column lists 4"], faults
+    assert verify(tmp_path / "out").ok

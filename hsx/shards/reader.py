@@ -216,7 +216,7 @@ class ShardDataset:
     def _shard(self, k: int) -> Shard:
         shard = self._cache.get(k)
         if shard is None:
-            shard = load_shard(self._paths[k], self._entries[k], self._cache_blocks, whole=False)
+            shard = load_shard(self._paths[k], self._entries[k], self._cache_blocks)
             self._cache[k] = shard
             while len(self._cache) > self._cache_shards:
                 self._cache.popitem(last=False)
@@ -399,7 +399,7 @@ def open_shards(path: str | Path, cache_shards: int = 4, cache_blocks: int | Non
         entry = next((s for s in m.shards if shard_path(path.parent, s.file) == path), None)
         if entry is None:
             raise ShardError(f"{path}: not listed in {manifest_path(path.parent)} (an uncommitted or stray file)")
-    shard = load_shard(path, entry, cache_blocks, whole=False)
+    shard = load_shard(path, entry, cache_blocks)
     ds = ShardDataset([path], [entry], [shard.meta.num_rows], shard.metadata, (), cache_shards, None, cache_blocks)
     ds._cache[0] = shard
     return ds

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import warnings
 from collections import OrderedDict
-from functools import cached_property
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -108,12 +107,6 @@ class Shard:
         start, stop = chunk.offsets[i].as_py(), chunk.offsets[i + 1].as_py()
         return _np_to_torch(chunk.values.to_numpy(zero_copy_only=True)[start:stop])
 
-    @cached_property
-    def table(self) -> pa.Table:
-        """The whole shard as one table, hidden columns included, pieces joined (``hsx verify``'s checks),
-        kept. It holds every hidden cell at once: readers of samples use the methods below."""
-        return self.whole_table()
-
     def whole_table(self, columns: Sequence[str] | None = None) -> pa.Table:
         """``columns`` (default: all) of the shard, one row per sample; a hidden column's chunks are the
         row groups' own Arrow arrays (those the rows layout's views point into)."""
@@ -176,6 +169,30 @@ class Shard:
                     pass
             for g in np.flatnonzero(self._whole_group):
                 self._chunk(name, int(g))
+
+    @property
+    def sample_starts(self) -> np.ndarray:
+        """[samples + 1]: each sample's first Parquet row (a long sample spans several), the rows' count last."""
+        return self._span
+
+    @property
+    def listed_rows(self) -> np.ndarray | None:
+        """[Parquet rows]: the rows each Parquet row's positions column lists (None before format 4)."""
+        return self._expected
+
+    def groups(self, name: str) -> Iterator[tuple[int, np.ndarray, torch.Tensor]]:
+        """Every row group of hidden column ``name`` in order, read, checked and decoded one at a time and
+        kept by nobody (``hsx verify``): (its first Parquet row, the rows each of its Parquet rows holds,
+        its rows as one ``[R, W]`` tensor)."""
+        self._check_name(name)
+        for g in range(len(self._group_start) - 1):
+            first = int(self._group_start[g])
+            chunk, rows = self._read(name, g)
+            block = self.cells[name].block(chunk)
+            chunk = None
+            yield first, rows, block
+            block = None
+            pa.default_memory_pool().release_unused()
 
     def _chunk(self, name: str, g: int) -> tuple[pa.ListArray, np.ndarray]:
         """:meth:`_read`, kept for the next partial read where ``g`` holds whole samples only."""
@@ -358,12 +375,14 @@ def checksum(source: pa.NativeFile, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def load_shard(path: Path, entry: ShardEntry | None, cache_blocks: int | None = None, *, whole: bool = True) -> Shard:
+def load_shard(path: Path, entry: ShardEntry | None, cache_blocks: int | None = None, *,
+               check_hidden: bool = True) -> Shard:
     """Open and check one shard file; any fault raises :class:`ShardError` naming the file.
 
     Size and checksum (against the manifest entry), footer, schema and metadata are checked here, and
-    every column but the hidden ones is read. ``whole``: the hidden columns too, into ``shard.table``
-    (``hsx verify``); else each hidden row group is read, and checked, when a reader asks for it.
+    every column but the hidden ones is read; each hidden row group is read, and checked, when a reader
+    asks for it. Without a manifest entry (no checksum to lean on) every hidden row group is read and
+    checked now, unless ``check_hidden`` is False: a caller that reads them all itself (``hsx verify``).
     """
     try:
         source = open_input(path, pa.OSFile)  # a local file, or an object in a store (hsx.shards.store)
@@ -399,9 +418,7 @@ def load_shard(path: Path, entry: ShardEntry | None, cache_blocks: int | None = 
         if entry.source_indices is not None and table.column("source_index").to_pylist() != entry.source_indices:
             raise ShardError(f"{path}: source indices differ from the manifest's list")
     shard = Shard(path, source, parquet, raw, table, meta, cache_blocks, page_checksums=entry is None)
-    if whole:
-        shard.table  # noqa: B018 - read and checked here, so that a fault is the load's
-    elif entry is None:
+    if entry is None and check_hidden:
         shard.check_hidden()  # no whole-file checksum to lean on: every page's CRC and every cell, now
     return shard
 

@@ -19,7 +19,7 @@ from hsx.shards.lease import LEASE
 from hsx.shards.lock import LOCK
 from hsx.shards.manifest import (CONFIG, LEGACY_CONFIG, LEGACY_MANIFEST, MANIFEST, Manifest, ShardEntry, load_manifest,
                                  shard_path)
-from hsx.shards.shard import load_shard
+from hsx.shards.shard import Shard, load_shard
 from hsx.shards.store import as_path, open_ranged
 
 
@@ -50,8 +50,10 @@ def _lengths(chunked: pa.ChunkedArray) -> np.ndarray:
     return pc.list_value_length(chunked).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
-def check_table(table: pa.Table, meta: dict) -> list[str]:
-    """Row-level checks of a loaded shard: alignment row counts, per-token columns, stats, NaN/Inf."""
+def check_table(table: pa.Table, meta: dict, rows: dict[str, np.ndarray]) -> list[str]:
+    """Row-level checks of a shard's small columns (a row per sample): the rows each hidden column holds
+    (``rows``: column -> [samples]) against what the tokens and the keep rule give, per-token columns,
+    positions, accept lengths."""
     faults = []
     ids = table.column("sample_id").to_pylist()
     n_tok = _lengths(table.column("input_ids"))
@@ -63,7 +65,7 @@ def check_table(table: pa.Table, meta: dict) -> list[str]:
     else:  # the keep rule needs a loss mask per token; the mask fault is reported below
         want, rule = fmt.expected_rows(n_tok, meta["mode"]), f"{meta['mode']} mode covers positions {fmt.COVERS[meta['mode']]}"
     for g in meta["layers"]:
-        got = fmt.column_rows(table.column(g["name"]), meta, g)
+        got = rows[g["name"]]
         bad = np.flatnonzero(got != want)
         for j in bad[:5]:
             faults.append(f"sample {ids[j]!r}: {got[j]} rows of {g['name']!r} for {n_tok[j]} tokens; {rule} ({want[j]} rows)")
@@ -77,8 +79,44 @@ def check_table(table: pa.Table, meta: dict) -> list[str]:
     if "positions" in table.column_names and np.array_equal(mask_len, n_tok):
         faults += _check_positions(table, meta, ids, n_tok)
     faults += _check_accept(table, ids, n_tok - prompt)
-    faults += _check_finite(table, meta, ids)
     return faults
+
+
+def scan_hidden(shard: Shard) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Every hidden column of a shard read one row group at a time (a long sample's pieces one by one, so
+    that memory is a row group's, not the shard's): the rows each sample holds, per column, and the
+    NaN/Inf faults, naming the first such row's sample and position."""
+    ids = shard.meta.column("sample_id")
+    spans = shard.sample_starts
+    owner = np.repeat(np.arange(len(spans) - 1), np.diff(spans))  # Parquet row -> its sample
+    rows, faults = {}, []
+    for name in shard.widths:
+        per_row = np.zeros(int(spans[-1]), np.int64)  # rows each Parquet row holds
+        bad, first_bad = 0, None
+        for first, got, block in shard.groups(name):
+            per_row[first:first + len(got)] = got
+            finite = torch.isfinite(block).all(dim=1).numpy()
+            if first_bad is None and not finite.all():
+                at = int(np.flatnonzero(~finite)[0])
+                p = first + int(np.searchsorted(np.cumsum(got), at, side="right"))  # that row's Parquet row
+                first_bad = p, at - int(got[:p - first].sum())
+            bad += int((~finite).sum())
+            block = None
+        rows[name] = np.bincount(owner, weights=per_row, minlength=len(spans) - 1).astype(np.int64)
+        listed = shard.listed_rows
+        if listed is not None:  # a long sample's pieces each hold the rows their positions list
+            pieces = np.diff(spans)[owner] > 1
+            off = np.flatnonzero(pieces & (per_row != listed))
+            if len(off):
+                p = int(off[0])
+                faults.append(f"sample {ids[int(owner[p])].as_py()!r}: a piece holds {int(per_row[p])} rows of "
+                              f"{name!r}, its positions column lists {int(listed[p])}")
+        if first_bad is not None:
+            p, at = first_bad
+            j = int(owner[p])
+            at += int(per_row[spans[j]:p].sum())  # rows of the sample's earlier pieces
+            faults.append(f"column {name!r}: {bad} rows with NaN/Inf (first in sample {ids[j].as_py()!r}, position {at})")
+    return rows, faults
 
 
 def stored_rows(table: pa.Table, meta: dict) -> np.ndarray:
@@ -123,24 +161,6 @@ def _check_positions(table: pa.Table, meta: dict, ids: list[str], n_tok: np.ndar
             f"keep={fmt.keep_of(meta)!r} gives {want[owner == bad][:8].tolist()}..."]
 
 
-def _check_finite(table: pa.Table, meta: dict, ids: list[str]) -> list[str]:
-    faults = []
-    for g in meta["layers"]:
-        cells = fmt.Cells.of(meta, g)
-        first_row = 0  # table row of the chunk's first sample (one chunk per row group)
-        for chunk in table.column(g["name"]).chunks:
-            offs = np.concatenate([[0], np.cumsum(cells.rows(chunk))])  # row offsets of the chunk's samples
-            block = cells.block(chunk)
-            finite = torch.isfinite(block).all(dim=1).numpy()
-            if not finite.all():
-                row = int(np.flatnonzero(~finite)[0])
-                owner = int(np.searchsorted(offs, row, side="right")) - 1
-                faults.append(f"column {g['name']!r}: {int((~finite).sum())} rows with NaN/Inf (first in sample "
-                              f"{ids[first_row + owner]!r}, position {row - int(offs[owner])})")
-            first_row += len(chunk)
-    return faults
-
-
 def verify(path: str | Path) -> VerifyReport:
     """Check a directory (manifest vs files, checksums, schema, alignment row counts, NaN/Inf) or one file."""
     path = as_path(path)  # a local path, or s3://bucket/prefix
@@ -170,17 +190,17 @@ def verify(path: str | Path) -> VerifyReport:
 def _verify_one(path: Path, entry: ShardEntry | None, m: Manifest | None) -> ShardReport:
     r = ShardReport(path.name)
     try:
-        shard = load_shard(path, entry)
+        shard = load_shard(path, entry, cache_blocks=1, check_hidden=False)  # scan_hidden reads every row group
+        rows, finite = scan_hidden(shard)
     except ShardError as e:
         r.faults.append(str(e))
         return r
-    r.samples = shard.table.num_rows
+    r.samples = shard.meta.num_rows
     if m is not None and shard.metadata != m.metadata:
         r.faults.append("shard metadata differs from the manifest's")
-    r.faults += check_table(shard.table, shard.metadata)
+    r.faults += check_table(shard.meta, shard.metadata, rows) + finite
     if shard.metadata["layers"]:
-        g = shard.metadata["layers"][0]
-        r.rows = int(fmt.column_rows(shard.table.column(g["name"]), shard.metadata, g).sum())
+        r.rows = int(rows[shard.metadata["layers"][0]["name"]].sum())
     if entry is not None and r.rows != entry.rows:
         r.faults.append(f"{r.rows} rows, manifest says {entry.rows}")
     return r

@@ -218,6 +218,16 @@ def test_draft_config_checks(env):
         check_eagle3_layout(meta, {**ok, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 6]}})
     with pytest.raises(HsxError, match="3 aux layer ids"):
         check_eagle3_layout(meta, {**ok, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3]}})
+    # a head that names its rule (hsx export vllm-head writes vLLM's: boundary = id) is read by that rule
+    vllm_ids = {"eagle_aux_hidden_state_layer_ids": BOUNDARIES}
+    marked = {**ok, "eagle_config": vllm_ids, "hsx": {"aux_layer_ids_rule": "vllm", "aux_boundaries": BOUNDARIES}}
+    assert check_eagle3_layout(meta, marked).aux_boundaries == tuple(BOUNDARIES)
+    with pytest.raises(HsxError, match=r"boundaries \[3, 5, 6\]"):  # the same ids unmarked: SGLang's + 1
+        check_eagle3_layout(meta, {**ok, "eagle_config": vllm_ids})
+    sglang_marked = {**ok, "hsx": {"aux_layer_ids_rule": "sglang"}}
+    assert check_eagle3_layout(meta, sglang_marked).aux_boundaries == tuple(BOUNDARIES)
+    with pytest.raises(HsxError, match=r"read by the vllm rule.*= boundaries \[1, 3, 4\]"):
+        check_eagle3_layout(meta, {**ok, "hsx": {"aux_layer_ids_rule": "vllm"}})
     bad = json.loads(json.dumps(meta))
     next(g for g in bad["layers"] if g["name"] == "eagle3")["width"] = 3 * HIDDEN + 3
     with pytest.raises(HsxError, match="not 3 x the 'final' width"):

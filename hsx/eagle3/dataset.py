@@ -48,6 +48,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from hsx.align.layers import EAGLE3, FINAL, eagle3_boundaries_from_ids
+from hsx.engine.layer_ids import head_marker, resolve_head_layers
 from hsx.errors import AlignmentError, HsxError
 from hsx.shards.reader import ShardDataset, open_shards
 
@@ -82,7 +83,12 @@ def load_draft_config(config: str | Path | Mapping[str, Any] | None) -> dict | N
         raise HsxError(f"draft config {path}: not valid JSON ({e})") from None
 
 
-def _draft_aux_boundaries(draft: dict, num_layers: int) -> tuple[tuple[int, ...], str]:
+def _draft_aux_boundaries(draft: dict, num_layers: int, model_type: str | None) -> tuple[tuple[int, ...], str]:
+    if head_marker(draft) is not None:  # the head says which rule its ids follow (hsx export vllm-head, the demo trainer)
+        layers = resolve_head_layers(draft, "hf", model_type, num_layers)
+        if layers.boundaries is None or len(layers.boundaries) != 3:
+            raise HsxError(f"draft config: EAGLE3 needs 3 aux layer ids, found {layers.head_ids}")
+        return layers.boundaries, layers.note()
     ids = (draft.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     where = "eagle_config.eagle_aux_hidden_state_layer_ids"
     if ids is None:
@@ -133,7 +139,7 @@ def check_eagle3_layout(metadata: dict, draft_config: Mapping[str, Any] | None =
         )
     if not num_layers:
         raise HsxError(f"{where}: metadata model.num_layers is missing; cannot check the draft's aux layers")
-    expected, how = _draft_aux_boundaries(draft_config, num_layers)
+    expected, how = _draft_aux_boundaries(draft_config, num_layers, model.get("model_type"))
     if tuple(expected) != sources:
         raise HsxError(
             f"{where}: draft config {how} for a {num_layers}-block model, but the shards' 'eagle3' column holds "

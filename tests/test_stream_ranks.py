@@ -30,6 +30,7 @@ DUP = {30: "r3"}  # row 30 repeats row 3's id: a failure, decided in row 3's uni
 NUM_RECORDS = NUM_ROWS - len(BAD) - len(DUP)  # 45: odd, so two ranks have a remainder
 HIDDEN, BATCH, LR, SEED = 64, 2, 0.5, 7
 HANG_GUARD = 600  # seconds: only a guard against a hang, never what a test asserts
+STALL_TIMEOUT = 20  # seconds: the rank_timeout of the stall scenario (both ranks have joined before it counts)
 
 
 def _rows() -> list[dict]:
@@ -95,9 +96,25 @@ def ranks_main(scenario: str, run_file: str, out_dir: str, vocab: int) -> None:
         eagle3_main(rank, run_file, out)
         dist.destroy_process_group()
         return
-    feed = hsx.stream(run_file, ahead=2, rank_timeout=HANG_GUARD)
+    feed = hsx.stream(run_file, ahead=2, rank_timeout=STALL_TIMEOUT if scenario == "stall" else HANG_GUARD)
+    dist.barrier()  # both ranks have joined the pool: from here a wait is the pass's, not a start-up's
     try:
-        if scenario == "main":
+        if scenario == "stall":  # rank 1 stays alive but stops taking: rank 0 gives up after rank_timeout
+            got = 0
+            try:
+                for _ in feed:
+                    got += 1
+                    if rank == 1 and got == 2:
+                        result["stalled_at"] = got
+                        deadline = time.monotonic() + HANG_GUARD
+                        while not (out / "rank0.json").exists() and time.monotonic() < deadline:
+                            time.sleep(0.2)  # until rank 0 has given up and said so
+            except HsxError as e:
+                result["error"] = str(e)
+            result["items"] = got
+            (out / f"rank{rank}.json").write_text(json.dumps(result))
+            dist.barrier()  # rank 0 keeps the pool until rank 1 has heard why the pass ended
+        elif scenario == "main":
             for p, remainder in enumerate(["keep", "drop", "pad"]):
                 feed.remainder = remainder
                 items = []
@@ -374,6 +391,23 @@ def test_a_rank_that_stops_or_dies_ends_the_pass_on_the_other(setup, cluster, tm
     print(f"rank {victim} killed; rank {survivor} got: {result['killed']}")
     assert KILLED[victim] in result["killed"], result["killed"]
     assert result["killed_items"] < NUM_RECORDS // 2  # held back by the pool, not run to the end
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_ends_the_pass_after_rank_timeout(setup, cluster, tmp_path):
+    proc = torchrun(setup, cluster, "stall", tmp_path)
+    try:
+        code = proc.wait(timeout=HANG_GUARD)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert code == 0, (tmp_path / "torchrun.log").read_text()[-4000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1))
+    print(f"rank 0 got: {r0['error']}\nrank 1, once it took again, got: {r1['error']}")
+    assert f"rank 0: waited {STALL_TIMEOUT} s in pass 0 for rank(s) [1], which took nothing" in r0["error"]
+    assert r0["items"] < -(-NUM_RECORDS // 2)  # held back by the stalled rank: not its whole share
+    assert r1["stalled_at"] == 2 and r1["items"] < -(-NUM_RECORDS // 2)  # then what its units held, no more
+    assert f"rank 0 waited {STALL_TIMEOUT} s for rank(s) [1], which took nothing, in pass 0" in r1["error"]
 
 
 @pytest.mark.slow

@@ -36,7 +36,7 @@ from hsx.errors import HsxError
 from hsx.output import config_refusal
 from hsx.shards.lock import unwritable
 from hsx.shards.manifest import load_manifest, manifest_path
-from hsx.shards.store import is_remote
+from hsx.shards.store import as_path, is_remote
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 WEIGHTS = ("*.safetensors", "pytorch_model*.bin")
@@ -272,7 +272,7 @@ def check_output(cfg: ExtractConfig, overwrite: bool) -> None:
     the run itself would refuse it."""
     if is_remote(cfg.output):  # an object store is checked when the run takes its lease
         return
-    out = Path(cfg.output)
+    out = as_path(cfg.output)  # a local path (another scheme than s3:// is refused here)
     check_writable(out)
     if overwrite or not manifest_path(out).is_file():
         return

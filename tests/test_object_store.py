@@ -160,6 +160,22 @@ def model_dir(tmp_path_factory) -> str:
     return str(root)
 
 
+@pytest.mark.parametrize("location", ["gs://bucket/prefix", "hf://datasets/me/states", "az://c/p"])
+def test_another_scheme_is_refused_not_taken_for_a_local_folder(tmp_path, monkeypatch, model_dir, location):
+    monkeypatch.chdir(tmp_path)
+    scheme = location.split("://")[0]
+    with pytest.raises(HsxError, match=f"{location}: hsx reads and writes local paths and s3:// locations .* not {scheme}://"):
+        as_path(location)
+    for args in (["extract", "--model", model_dir, "--dataset", str(PROMPTS), "--output", location],
+                 ["inspect", location], ["verify", location]):
+        got = CliRunner().invoke(app, args)  # hsx's main() prints an HsxError as "error: ..." and exits 2
+        assert isinstance(got.exception, HsxError) and f"not {scheme}://" in str(got.exception), (args, got.output)
+    with pytest.raises(HsxError, match=f"not {scheme}://"):
+        hsx.open(location)
+    assert not list(tmp_path.iterdir())  # no folder named "gs:" (or any) made here
+    assert as_path(f"file://{tmp_path}/out") == tmp_path / "out"
+
+
 def extract_args(model: str, out: str, *extra: str) -> list[str]:
     return ["extract", "--model", model, "--dataset", str(PROMPTS), "--output", out, "--id-field", "id",
             "--mode", "prefill", "--batch-size", "1", "--max-shard-samples", "4", "--quiet", *extra]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import tempfile
 import threading
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ from urllib.parse import urlsplit
 from hsx.errors import HsxError
 
 SCHEMES = ("s3://",)
+# any other "scheme://" (gs://, hf://, az://, http://): refused, not taken for a local folder named "gs:"
+_URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 class StoreError(HsxError, OSError):
@@ -59,6 +62,12 @@ def as_path(location):
     if isinstance(location, str) and location.startswith(SCHEMES):
         bucket, key = _split(location)
         return ObjectPath(store_for(bucket), key)
+    if isinstance(location, str) and _URI.match(location):
+        if location.startswith("file://"):
+            return Path(urlsplit(location).path)
+        raise HsxError(f"{location}: hsx reads and writes local paths and s3:// locations (any S3-compatible "
+                       f"store, through AWS_ENDPOINT_URL), not {_URI.match(location).group(1)}://: an output's "
+                       "commit needs the store's conditional puts, which hsx implements and tests for S3 only")
     return Path(location)
 
 

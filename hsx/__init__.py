@@ -58,7 +58,7 @@ def stream(config, **kwargs):
 
 
 def decode(cell, width, dtype="bfloat16", codec="planes-zstd"):
-    """One hidden-state cell as pandas or pyarrow read it -> ``[rows, W]`` numpy array; see :func:`hsx.shards.format.decode`."""
-    from hsx.shards.format import decode as run
+    """One hidden-state cell as pandas or pyarrow read it -> ``[rows, W]`` numpy array; see :func:`hsx.shards.cells.decode`."""
+    from hsx.shards.cells import decode as run
 
     return run(cell, width, dtype, codec)

@@ -14,7 +14,7 @@ import hsx
 from hsx.align import AlignedSample, Collector, LayerGroup, teacher_forced
 from hsx.errors import ShardError
 from hsx.shards import BackgroundSink, Manifest, ShardSink, ShardWriter, load_manifest
-from hsx.shards import format as fmt
+from hsx.shards.cells import Cells
 from hsx.shards.verify import verify
 from shard_fixtures import bits, finite_records, make_metadata, random_records
 
@@ -223,13 +223,13 @@ def test_records_are_waited_for_before_their_rows_are_read(tmp_path, monkeypatch
             h.fill_(float("nan"))
         r.ready = InFlightCopy(log, r.sample_id, r.hidden, expected[r.sample_id])
     owner = {id(h): r.sample_id for r in records for h in r.hidden.values()}
-    real = fmt.Cells.encode
+    real = Cells.encode
 
     def encode(self, parts):
         log.append(("encode", [owner[id(p)] for p in parts], threading.current_thread().name))
         return real(self, parts)
 
-    monkeypatch.setattr(fmt.Cells, "encode", encode)
+    monkeypatch.setattr(Cells, "encode", encode)
     sink = sink_class(tmp_path, Manifest(meta), row_group_bytes=200)
     for r in records:
         sink.add(r)

@@ -45,6 +45,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from hsx.errors import HsxError, ShardError
 from hsx.shards import format as fmt
+from hsx.shards.cells import Cells, check_row_bytes, column_rows
 from hsx.shards import positions
 from hsx.shards.manifest import ShardEntry
 from hsx.shards.reader import open_shards, row_labels
@@ -138,9 +139,9 @@ class TokenLoader(IterableDataset):
                                     columns=_BASE + pieces + self.columns, use_threads=False):
             table = pa.Table.from_batches([batch])
             starts = table.column(pieces[0]).to_numpy() == 0 if pieces else np.ones(table.num_rows, bool)
-            fmt.check_row_bytes(table, {**meta, "layers": self._layers}, str(path))
+            check_row_bytes(table, {**meta, "layers": self._layers}, str(path))
             hidden = {g["name"]: _raw_rows(table.column(g["name"]), meta, g) for g in self._layers}
-            rows = fmt.column_rows(table.column(self._layers[0]["name"]), meta, self._layers[0])
+            rows = column_rows(table.column(self._layers[0]["name"]), meta, self._layers[0])
             del batch
             base = table.select(_BASE + pieces)
             del table  # the hidden cells, decoded, are let go before the next batch is read
@@ -166,8 +167,8 @@ class TokenLoader(IterableDataset):
                 del reader
             except (pa.ArrowException, OSError) as e:
                 raise ShardError(f"{path}: unreadable Parquet ({e})") from None
-            fmt.check_row_bytes(pa.table({layer["name"]: col}), {**meta, "layers": [layer]}, str(path))
-            got = fmt.column_rows(col, meta, layer)
+            check_row_bytes(pa.table({layer["name"]: col}), {**meta, "layers": [layer]}, str(path))
+            got = column_rows(col, meta, layer)
             if rows is None:
                 rows = got
             hidden[layer["name"]] = _raw_rows(col, meta, layer)
@@ -422,9 +423,9 @@ def _check_file(path: Path, entry: ShardEntry | None) -> None:
 def _raw_rows(col: pa.ChunkedArray, meta: dict, group: dict) -> np.ndarray:
     """``[R, row_bytes]`` uint8 rows of a column: zero-copy (read-only) for the rows layout in one chunk, else
     decoded into fresh memory allocated once."""
-    cells = fmt.Cells.of(meta, group)
+    cells = Cells.of(meta, group)
     chunks = [c for c in col.chunks if len(c)]
-    if len(chunks) == 1 and not cells.planes and type(cells) is fmt.Cells:
+    if len(chunks) == 1 and not cells.planes and type(cells) is Cells:
         return cells.block(chunks[0]).view(torch.uint8).numpy().reshape(-1, cells.row_bytes)
     counts = [int(cells.rows(c).sum()) for c in chunks]
     out = torch.empty((sum(counts), cells.width), dtype=cells.dtype)

@@ -24,6 +24,7 @@ import xxhash
 
 from hsx.errors import ShardError
 from hsx.shards import format as fmt
+from hsx.shards.cells import Cells
 from hsx.shards import positions
 from hsx.shards.manifest import ShardEntry
 from hsx.shards.readonly import read_only
@@ -74,7 +75,7 @@ class Shard:
         self.cols = {name: _Column(table.column(name)) for name in table.column_names}
         self.dtypes = fmt.dtype_of(metadata["dtype"])
         self.widths = {g["name"]: g["width"] for g in metadata["layers"]}
-        self.cells = {g["name"]: fmt.Cells.of(metadata, g) for g in metadata["layers"]}
+        self.cells = {g["name"]: Cells.of(metadata, g) for g in metadata["layers"]}
         self._cache_blocks = None if cache_blocks is None else max(1, int(cache_blocks))
         self._blocks: OrderedDict[tuple[str, int], tuple] = OrderedDict()  # decoded row groups: block, row offsets, chunk
         self._chunks: OrderedDict[tuple[str, int], tuple[pa.ListArray, np.ndarray]] = OrderedDict()  # read, for partial reads
@@ -225,7 +226,7 @@ class Shard:
         if got is None:
             chunk, rows = self._chunks.pop(key, None) or self._read(name, g)
             cells = self.cells[name]
-            view = type(cells) is fmt.Cells and not cells.planes  # the block is a view of the chunk: keep it named
+            view = type(cells) is Cells and not cells.planes  # the block is a view of the chunk: keep it named
             got = cells.block(chunk), np.concatenate([[0], np.cumsum(rows)]).astype(np.int64), chunk if view else None
             if not view:
                 chunk = None  # decoded: its Arrow buffers go, and their pages with them
@@ -331,7 +332,7 @@ class Shard:
             if lo == start and rows.shape[0] == stop - start:  # one piece holds them all
                 # the rows layout's view would keep the row group's Arrow buffer alive, unless the shard keeps it
                 kept = g is not None and (name, g) in self._chunks
-                view = type(cells) is fmt.Cells and not cells.planes
+                view = type(cells) is Cells and not cells.planes
                 return rows if kept or not view else read_only(rows.clone())
             if out is None:
                 out = torch.empty((stop - start, self.widths[name]), dtype=self.dtypes)

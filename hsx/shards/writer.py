@@ -27,6 +27,7 @@ import torch
 
 from hsx.errors import ShardError
 from hsx.shards import format as fmt
+from hsx.shards.cells import Cells
 from hsx.shards import positions
 from hsx.shards.manifest import (ErrorRecord, Manifest, ShardEntry, publish, save_manifest, staged_name,
                                  streamed_checksum)
@@ -122,7 +123,7 @@ class ShardWriter:
         self.metadata = dict(metadata)
         self.schema = fmt.schema_for(self.metadata)
         self.layers = [(g["name"], g["width"]) for g in self.metadata["layers"]]
-        self.cells = {g["name"]: fmt.Cells.of(self.metadata, g) for g in self.metadata["layers"]}
+        self.cells = {g["name"]: Cells.of(self.metadata, g) for g in self.metadata["layers"]}
         widest = max((c.stored_row_bytes for c in self.cells.values()), default=1)
         self.piece_rows = max(1, piece_bytes // widest)  # rows a piece holds
         self.compression = fmt.CODECS[fmt.codec_of(self.metadata)][0]

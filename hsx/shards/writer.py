@@ -273,6 +273,7 @@ class _Lane:
     sources: list[int] = field(default_factory=list)
     bytes: int = 0
     pending: Future | None = None
+    sealed: tuple[ShardStats, str] | None = None  # its counts and checksum once closed and stored (fsynced or uploaded)
 
 
 class ShardSink:
@@ -281,9 +282,10 @@ class ShardSink:
     ``add`` buffers a record; a row group is written when the buffer reaches ``row_group_bytes`` or
     would fill a shard (``max_shard_bytes``, ``max_shard_samples``). With one lane the row groups
     fill a shard, which is committed (fsync, manifest, rename to its visible name) when full. With
-    ``lanes`` > 1 each row group is a shard of its own, given to the next lane in turn and written on
-    that lane's thread (one in flight per lane), so that the Parquet encoding and zstd of ``lanes``
-    shards run at once; a lane's shard is committed when its turn comes round again. Either way the
+    ``lanes`` > 1 each row group is a shard of its own, given to the next lane in turn and written,
+    closed and fsynced (in an object store: uploaded) on that lane's thread (one in flight per lane),
+    so that the encoding, zstd and storing of ``lanes`` shards run at once; a lane's shard is
+    committed when its turn comes round again. Either way the
     shards, in the order of their names, hold the records in the order of the ``add`` calls, and
     the same calls give the same files. ``commit`` commits every lane. Errors recorded with
     ``add_error`` are committed with the next shard.
@@ -372,19 +374,37 @@ class ShardSink:
         lane.ids += [r.sample_id for r in records]
         lane.sources += [int(r.source_index) for r in records]
         lane.bytes += nbytes
-        if self._threads:
-            lane.pending = self._threads[k].submit(self._write, lane, records)
+        if self._threads:  # the row group is the lane's whole shard: closed and stored on its thread too
+            lane.pending = self._threads[k].submit(self._write, lane, records, True)
             return
         self._write(lane, records)
         if lane.bytes >= self.max_shard_bytes or len(lane.ids) >= self.max_shard_samples:
             self._commit_lane(lane)
             self._save()
 
-    def _write(self, lane: _Lane, records: list[Record]) -> None:
+    def _write(self, lane: _Lane, records: list[Record], seal: bool = False) -> None:
         try:
             lane.writer.write(records)
+            if seal:
+                self._seal(lane)
         except OSError as e:
             self._fail(lane, e)
+
+    def _seal(self, lane: _Lane) -> None:
+        """Close the lane's shard and store its bytes where they stay: fsynced on a local disk; in an object
+        store uploaded under its staging name and the spool file removed (the upload is what lasts, so the
+        spool file is not fsynced). Committing it is then a manifest entry (:meth:`_commit_lane`)."""
+        stats = lane.writer.finalize()
+        tmp = lane.writer.path
+        if is_remote(self.dir):
+            checksum = streamed_checksum(tmp)
+            (self.dir / staged_name(lane.name)).upload(tmp)
+            tmp.unlink()
+        else:
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            checksum = streamed_checksum(tmp)
+        lane.sealed = stats, checksum
 
     def in_flight(self) -> bool:
         """Whether a lane is still writing a row group."""
@@ -444,21 +464,16 @@ class ShardSink:
             ) from error
 
     def _commit_lane(self, lane: _Lane) -> None:
-        """Close the lane's shard, fsync it and add its entry to the manifest (published after the save)."""
-        self._wait(lane)
+        """Seal the lane's shard (if its thread has not) and add its entry to the manifest (published after the save)."""
+        self._wait(lane)  # with several lanes, its thread has sealed the shard
         if lane.writer is None:
             return
-        tmp = lane.writer.path
-        try:
-            stats = lane.writer.finalize()
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
-            checksum = streamed_checksum(tmp)
-            if is_remote(self.dir):  # the spooled file goes up under its staging name
-                (self.dir / staged_name(lane.name)).upload(tmp)
-                tmp.unlink()
-        except OSError as e:
-            self._fail(lane, e)
+        if lane.sealed is None:
+            try:
+                self._seal(lane)
+            except OSError as e:
+                self._fail(lane, e)
+        stats, checksum = lane.sealed
         self.manifest.shards.append(
             ShardEntry(lane.name, stats.samples, stats.rows, stats.tokens, stats.bytes, checksum,
                        list(lane.ids), list(lane.sources))
@@ -474,8 +489,10 @@ class ShardSink:
                 save_manifest(self.dir, self.manifest)
             except OSError as e:
                 again = "once the store answers" if isinstance(e, StoreError) else "after freeing space"
-                raise ShardError(f"{self.dir}: could not save the manifest ({e.strerror or e}); the shards committed "
-                                 f"by the last save stay committed. Run the same command again {again}.") from e
+                named = ", ".join(s.file for s in self.manifest.shards[self._published:]) or "none"
+                raise ShardError(f"{self.dir}: could not save the manifest ({e.strerror or e}) committing shard(s) "
+                                 f"{named}; the shards committed by the last save stay committed. Run the same "
+                                 f"command again {again}.") from e
             publish(self.dir, self.manifest.shards[self._published:])  # the ones this save committed
             self._published = len(self.manifest.shards)
 

@@ -215,9 +215,26 @@ def test_the_demo_check_accepts_other_times_and_refuses_other_figures(tmp_path, 
     timed = next(k for k, line in enumerate(log) if check.TIMING.search(line))
     log[timed] = check.TIMING.sub("99.9 s", log[timed])  # another machine's times
     (tmp_path / "ok.log").write_text("\n".join(["(a line the README trims)", *log]) + "\n")
-    assert check.main(str(tmp_path / "ok.log"), out) == 0
+    cpu = check.quoted_cpu(README.read_text())  # the kind of CPU the README's output comes from
+    assert cpu and check.main(str(tmp_path / "ok.log"), out, cpu) == 0
     sized = next(k for k, line in enumerate(log) if " MB" in line)
     log[sized] = re.sub(r"[\d.]+ MB", "9.9 MB", log[sized])  # a figure gone stale
     (tmp_path / "stale.log").write_text("\n".join(log) + "\n")
-    assert check.main(str(tmp_path / "stale.log"), out) == 1
+    assert check.main(str(tmp_path / "stale.log"), out, cpu) == 1
     assert "did not print" in capsys.readouterr().out
+    # another kind of CPU trains other demo models: its figures differ, the lines' words may not
+    assert check.main(str(tmp_path / "stale.log"), out, "another CPU") == 0
+    assert "figures are set aside" in capsys.readouterr().out
+    log[sized] = log[sized].replace(" MB", " GB")
+    (tmp_path / "worded.log").write_text("\n".join(log) + "\n")
+    assert check.main(str(tmp_path / "worded.log"), out, "another CPU") == 1
+
+
+def test_the_readme_names_the_cpu_of_its_demo_output():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import check_readme_demo as check
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    assert re.fullmatch(r"(Intel|AMD|unknown) with (AMX|AVX-512|AVX2|no AVX2)", check.quoted_cpu(README.read_text()))
+    assert re.fullmatch(r"(Intel|AMD|unknown) with (AMX|AVX-512|AVX2|no AVX2)", check.this_cpu())

@@ -70,8 +70,9 @@ def build_demo(out_dir: str | Path, train_steps: int = 200, draft_steps: int = 1
     t0 = time.perf_counter()
     tokenizer = build_demo_tokenizer()
     threads = torch.get_num_threads()
-    # One thread: single-threaded float reductions make the trained weights the same on every
-    # machine, and at this size extra threads buy little.
+    # One thread: single-threaded float reductions make the trained weights the same on every run on
+    # one kind of CPU (not across kinds: the kernels an AVX2 CPU and an AMX one pick round differently,
+    # and the demo's losses and accept lengths differ between them), and at this size threads buy little.
     torch.set_num_threads(1)
     try:
         target, draft, losses = _train_pair(tokenizer, train_steps, draft_steps, num_layers, hidden_size)

@@ -45,8 +45,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from hsx.errors import HsxError, ShardError
 from hsx.shards import format as fmt
-from hsx.shards.cells import Cells, check_row_bytes, column_rows
 from hsx.shards import positions
+from hsx.shards.cells import Cells, check_row_bytes, column_rows
 from hsx.shards.manifest import ShardEntry
 from hsx.shards.reader import open_shards, row_labels
 from hsx.shards.shard import check_schema, checksum

@@ -24,8 +24,8 @@ import xxhash
 
 from hsx.errors import ShardError
 from hsx.shards import format as fmt
-from hsx.shards.cells import Cells
 from hsx.shards import positions
+from hsx.shards.cells import Cells
 from hsx.shards.manifest import ShardEntry
 from hsx.shards.readonly import read_only
 from hsx.shards.store import open_input

@@ -27,8 +27,8 @@ import torch
 
 from hsx.errors import ShardError
 from hsx.shards import format as fmt
-from hsx.shards.cells import Cells
 from hsx.shards import positions
+from hsx.shards.cells import Cells
 from hsx.shards.manifest import (ErrorRecord, Manifest, ShardEntry, publish, save_manifest, staged_name,
                                  streamed_checksum)
 from hsx.shards.store import StoreError, as_path, is_remote, spool_file

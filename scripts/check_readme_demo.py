@@ -28,7 +28,8 @@ def this_cpu() -> str:
     """The kind of CPU, as far as the float kernels go: its vendor and its widest vector unit."""
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     vendor = re.search(r"^vendor_id\s*:\s*(\S+)", info, re.M)
-    flags = set((re.search(r"^flags\s*:(.*)$", info, re.M) or re.match("()", "")).group(1).split())
+    flag_line = re.search(r"^flags\s*:(.*)$", info, re.M)
+    flags = set(flag_line.group(1).split()) if flag_line else set()
     unit = next((name for flag, name in (("amx_tile", "AMX"), ("avx512f", "AVX-512"), ("avx2", "AVX2"))
                  if flag in flags), "no AVX2")
     maker = {"GenuineIntel": "Intel", "AuthenticAMD": "AMD"}.get(vendor.group(1) if vendor else "", "unknown")
@@ -57,11 +58,11 @@ def normal(line: str, out_dir: str, figures: bool = True) -> str:
 
 def main(log_path: str, out_dir: str, cpu: str | None = None) -> int:
     readme = README.read_text()
-    cpu = cpu or this_cpu()
-    figures = quoted_cpu(readme) == cpu
+    cpu, theirs = cpu or this_cpu(), quoted_cpu(readme)
+    figures = theirs == cpu
     if not figures:
         print(f"this machine's CPU ({cpu}) is not the one the README's demo output comes from "
-              f"({quoted_cpu(readme)}): it trains other demo models, so figures are set aside too")
+              f"({theirs}): it trains other demo models, so figures are set aside too")
     log = {normal(line, out_dir, figures) for line in Path(log_path).read_text().splitlines()}
     quoted = quoted_demo(readme)
     missing = [line for line in quoted if normal(line, "demo_out", figures) not in log]

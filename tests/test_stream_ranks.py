@@ -249,6 +249,16 @@ def torchrun(setup, address: str, scenario: str, out: Path, monitor_interval: fl
     return subprocess.Popen(cmd, env=env, stdout=(out / "torchrun.log").open("w"), stderr=subprocess.STDOUT)
 
 
+def run_to_end(proc: subprocess.Popen, out: Path) -> None:
+    """Wait for a torchrun started by :func:`torchrun`; both ranks must exit cleanly."""
+    try:
+        code = proc.wait(timeout=HANG_GUARD)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert code == 0, (out / "torchrun.log").read_text()[-4000:]
+
+
 def read_items(out: Path, name: str) -> list:
     from safetensors.torch import load_file
 
@@ -266,13 +276,7 @@ def read_items(out: Path, name: str) -> list:
 @pytest.fixture(scope="module")
 def main_run(setup, cluster, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("main-run")
-    proc = torchrun(setup, cluster, "main", out)
-    try:
-        code = proc.wait(timeout=HANG_GUARD)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-    assert code == 0, (out / "torchrun.log").read_text()[-4000:]
+    run_to_end(torchrun(setup, cluster, "main", out), out)
     return out
 
 
@@ -395,13 +399,7 @@ def test_a_rank_that_stops_or_dies_ends_the_pass_on_the_other(setup, cluster, tm
 
 @pytest.mark.slow
 def test_a_stalled_rank_ends_the_pass_after_rank_timeout(setup, cluster, tmp_path):
-    proc = torchrun(setup, cluster, "stall", tmp_path)
-    try:
-        code = proc.wait(timeout=HANG_GUARD)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-    assert code == 0, (tmp_path / "torchrun.log").read_text()[-4000:]
+    run_to_end(torchrun(setup, cluster, "stall", tmp_path), tmp_path)
     r0, r1 = (json.loads((tmp_path / f"rank{k}.json").read_text()) for k in (0, 1))
     print(f"rank 0 got: {r0['error']}\nrank 1, once it took again, got: {r1['error']}")
     assert f"rank 0: waited {STALL_TIMEOUT} s in pass 0 for rank(s) [1], which took nothing" in r0["error"]
@@ -434,13 +432,7 @@ def test_an_eagle3_stream_on_two_ranks_is_the_offline_dataset_shared(setup, clus
         torch.set_num_threads(threads)
     offline = Eagle3Dataset(tmp_path / "offline")
     assert len(offline) == NUM_RECORDS
-    proc = torchrun(setup, cluster, "eagle3", tmp_path, cfg=cfg)
-    try:
-        code = proc.wait(timeout=HANG_GUARD)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-    assert code == 0, (tmp_path / "torchrun.log").read_text()[-4000:]
+    run_to_end(torchrun(setup, cluster, "eagle3", tmp_path, cfg=cfg), tmp_path)
     for r in range(2):
         listed = json.loads((tmp_path / f"eagle3-rank{r}.json").read_text())
         tensors = load_file(str(tmp_path / f"eagle3-rank{r}.safetensors"))

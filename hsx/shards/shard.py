@@ -172,7 +172,7 @@ class Shard:
                 self._chunk(name, int(g))
 
     @property
-    def sample_starts(self) -> np.ndarray:
+    def sample_spans(self) -> np.ndarray:
         """[samples + 1]: each sample's first Parquet row (a long sample spans several), the rows' count last."""
         return self._span
 

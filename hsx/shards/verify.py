@@ -87,7 +87,7 @@ def scan_hidden(shard: Shard) -> tuple[dict[str, np.ndarray], list[str]]:
     that memory is a row group's, not the shard's): the rows each sample holds, per column, and the
     NaN/Inf faults, naming the first such row's sample and position."""
     ids = shard.meta.column("sample_id")
-    spans = shard.sample_starts
+    spans = shard.sample_spans
     owner = np.repeat(np.arange(len(spans) - 1), np.diff(spans))  # Parquet row -> its sample
     rows, faults = {}, []
     for name in shard.widths:

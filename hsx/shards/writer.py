@@ -396,14 +396,13 @@ class ShardSink:
         spool file is not fsynced). Committing it is then a manifest entry (:meth:`_commit_lane`)."""
         stats = lane.writer.finalize()
         tmp = lane.writer.path
+        checksum = streamed_checksum(tmp)
         if is_remote(self.dir):
-            checksum = streamed_checksum(tmp)
             (self.dir / staged_name(lane.name)).upload(tmp)
             tmp.unlink()
         else:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
-            checksum = streamed_checksum(tmp)
         lane.sealed = stats, checksum
 
     def in_flight(self) -> bool:

@@ -8,21 +8,20 @@ From Python::
     ds = hsx.open("out")
 
 ``import hsx`` loads nothing heavy: ``extract``, ``ExtractConfig`` and the subpackages
-(``hsx.pipeline``, ``hsx.recompute``, ``hsx.analysis``, ...) are imported on first use.
+(``hsx.run.pipeline``, ``hsx.recompute``, ``hsx.analysis``, ...) are imported on first use.
 """
 
 from importlib import import_module
 
-__version__ = "0.1.0"
-
-from hsx.errors import AlignmentError, HsxError, SampleError, ShardError  # noqa: E402
+from hsx.errors import AlignmentError, HsxError, SampleError, ShardError
+from hsx.version import __version__
 
 __all__ = ["__version__", "HsxError", "AlignmentError", "SampleError", "ShardError", "open", "stream", "tokens_loader", "decode"]
 
 # name -> the module that defines it, imported when the name is first used
-_LAZY = {"extract": "hsx.pipeline", "RunSummary": "hsx.pipeline", "ExtractConfig": "hsx.config"}
-SUBMODULES = ("align", "analysis", "config", "core", "data", "demo", "eagle3", "engine", "export", "feed", "output", "pipeline",
-              "recompute", "report", "scale", "shards")
+_LAZY = {"extract": "hsx.run.pipeline", "RunSummary": "hsx.run.pipeline", "ExtractConfig": "hsx.config"}
+SUBMODULES = ("align", "analysis", "compare", "config", "data", "demo", "device", "eagle3", "engine", "export", "heads",
+              "recompute", "run", "shards", "storage")
 __all__ += list(_LAZY)
 
 
@@ -50,9 +49,9 @@ def tokens_loader(path, columns=None, where="all", batch_size=1024, shuffle_buff
 
 def stream(config, **kwargs):
     """Run ``config`` (an ExtractConfig, a dict or a config file) and yield its aligned samples as they
-    come, with no shards; see :class:`hsx.feed.Feed` (``ahead``, ``ordered``, ``progress``, ``verbose``: the libraries' loading bars;
+    come, with no shards; see :class:`hsx.run.feed.Feed` (``ahead``, ``ordered``, ``progress``, ``verbose``: the libraries' loading bars;
     ``rank``, ``world_size``, ``remainder``, ``group``, ``rank_timeout``: one rank's share of a pool of Ray engines shared by a trainer's ranks)."""
-    from hsx.feed import Feed
+    from hsx.run.feed import Feed
 
     return Feed(config, **kwargs)
 

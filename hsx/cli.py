@@ -13,7 +13,7 @@ import typer
 
 from hsx.config import ExtractConfig
 from hsx.errors import HsxError
-from hsx.report import quiet_libraries
+from hsx.run.report import quiet_libraries
 
 app = typer.Typer(
     name="hsx",
@@ -49,7 +49,7 @@ def inspect(
     errors: Annotated[bool, typer.Option("--errors", help="List every error record (by default the first 10).")] = False,
 ) -> None:
     """Summarise shards: samples, tokens, bytes, dtype, layer groups, model, engine, acceptance, error records."""
-    from hsx.report import format_inspect
+    from hsx.run.report import format_inspect
     from hsx.shards.verify import inspect as inspect_shards
 
     summary = inspect_shards(path)
@@ -85,15 +85,15 @@ def verify(
     row against an independent forward of the model. Exit 1 on any fault."""
     import dataclasses
 
-    from hsx.report import format_recompute, format_verify
+    from hsx.run.report import format_recompute, format_verify
     from hsx.shards.verify import verify as verify_shards
 
     quiet_libraries(verbose)
     report = verify_shards(path)
     checked = None
     if recompute and report.ok:
-        from hsx import open as hsx_open
-        from hsx.preflight import model_config
+        from hsx.shards.reader import open_shards as hsx_open
+        from hsx.run.preflight import model_config
         from hsx.recompute import recompute as run_recompute
 
         # the forward reads stored token ids: no tokenizer needed
@@ -235,28 +235,28 @@ def extract(
     cfg = base.merged(overrides)
     quiet_libraries(verbose)
     if dry_run:
-        from hsx.estimate import estimate
+        from hsx.run.estimate import estimate
 
         for line in estimate(cfg).lines():
             typer.echo(line)
         return
-    from hsx.stopping import Terminated, exit_code, sigterm_interrupts
+    from hsx.run.stopping import Terminated, exit_code, sigterm_interrupts
 
     try:
         with sigterm_interrupts():  # a scheduler's SIGTERM stops the run as Ctrl-C does
-            from hsx.preflight import check_extract
+            from hsx.run.preflight import check_extract
 
             check_extract(cfg, overwrite)  # before torch is imported: a mistake costs a second, not a model load
-            from hsx.pipeline import extract as run_extract
+            from hsx.run.pipeline import extract as run_extract
 
             summary = run_extract(cfg, overwrite=overwrite, progress=not quiet, checked=True)
     except KeyboardInterrupt as stop:
-        from hsx.report import format_interrupted
+        from hsx.run.report import format_interrupted
 
         typer.echo(format_interrupted(cfg.output, "SIGTERM" if isinstance(stop, Terminated) else None), err=True)
         raise typer.Exit(exit_code(stop)) from None
     if not quiet:
-        from hsx.report import format_run
+        from hsx.run.report import format_run
 
         typer.echo(format_run(summary))
 
@@ -272,7 +272,7 @@ def export_specforge(
 ) -> None:
     """Write SpecForge offline EAGLE3 files (rows_*/data_*.ckpt, vocab_mapping/vocab_mapping.pt); resumable."""
     quiet_libraries(verbose)
-    from hsx.eagle3.export import export_specforge as run_export
+    from hsx.export.specforge import export_specforge as run_export
 
     s = run_export(src, dst, draft_vocab_size=draft_vocab_size, draft_config=draft_config, progress=not quiet)
     typer.echo(f"{s.dst}: {s.samples} samples, {s.tokens:,} tokens; {s.written} file(s) written "
@@ -340,7 +340,7 @@ def export_vllm_head(
     trust_remote_code: Annotated[bool, _opt("Let transformers run the target config's own code.", "--trust-remote-code")] = False,
 ) -> None:
     """Rewrite an SGLang-format draft head as vLLM loads it: aux layer ids as vLLM reads them, d2t folded, marked "vllm"."""
-    from hsx.eagle3.vllm_head import convert_vllm_head
+    from hsx.heads.vllm_head import convert_vllm_head
 
     done = convert_vllm_head(src, dst, model=model, overwrite=force, trust_remote_code=trust_remote_code)
     typer.echo(done.describe())

@@ -31,7 +31,7 @@ class ExtractConfig:
     # what to run
     model: str = ""
     draft_model: str | None = None
-    engine: Literal["hf", "sglang", "vllm"] = "hf"
+    engine: str = "hf"  # a name in hsx.engine.registry.ENGINES (hf, sglang, vllm); its runner checks the rest
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     model_dtype: str = "auto"  # compute dtype: auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16
     trust_remote_code: bool = False
@@ -70,7 +70,7 @@ class ExtractConfig:
     max_shard_samples: int = 100_000
     # engine pass-through (sglang.Engine keyword arguments)
     engine_args: dict[str, Any] = field(default_factory=dict)
-    # many engines on Ray (hsx.scale)
+    # many engines on Ray (hsx.run.scale)
     ray: bool = False
     ray_address: str | None = None  # None: RAY_ADDRESS, else the cluster `ray start` made on this machine, else a new local one
     num_workers: int | None = None  # default: the cluster's GPUs / gpus_per_worker (CPUs / cpus_per_worker without GPUs)
@@ -80,7 +80,7 @@ class ExtractConfig:
 
     # Fields that change neither which samples exist nor their values: a resumed run may differ in them.
     # (The batching fields are among them: they change a row's bits, within the engines' tolerance,
-    # never which samples exist; a window is re-run whole on resume, see hsx.core.results.)
+    # never which samples exist; a window is re-run whole on resume, see hsx.run.core.results.)
     _LAYOUT_ONLY = ("output", "limit", "batch_size", "max_batch_tokens", "prefill_chunk", "window", "max_shard_mb",
                     "max_shard_samples", "ray", "ray_address", "num_workers", "cpus_per_worker", "gpus_per_worker",
                     "unit_size")
@@ -107,16 +107,10 @@ class ExtractConfig:
             raise HsxError(f"--window must be >= 1, got {self.window}")
         self._validate_prefill_chunk()
         check_rule(self.keep, self.mode)
-        if self.engine not in ("hf", "sglang", "vllm"):
-            raise HsxError(f"--engine must be hf, sglang or vllm, got {self.engine!r}")
-        if self.speculative and self.draft_model is None and self.engine == "hf":
-            raise HsxError("--spec-* options need --draft-model with the hf engine")
-        if self.engine_args and self.engine == "hf":
-            raise HsxError(f"engine_args {sorted(self.engine_args)} are sglang.Engine or vllm.LLM arguments; the hf engine takes none")
+        if not isinstance(self.engine, str) or not self.engine:
+            raise HsxError(f"--engine must name an engine (hf, sglang or vllm), got {self.engine!r}")
         if self.sglang_capture not in ("tensors", "lists"):
             raise HsxError(f"--sglang-capture must be tensors or lists, got {self.sglang_capture!r}")
-        if self.spec_algorithm is not None and self.engine == "hf":
-            raise HsxError("--spec-algorithm names SGLang's or vLLM's algorithm (--engine sglang or vllm); the hf engine runs --draft-model")
         if self.ray:
             self._validate_ray()
         elif self.ray_address is not None or self.num_workers is not None:
@@ -130,9 +124,6 @@ class ExtractConfig:
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise HsxError(f"--prefill-chunk must be a number of prompt tokens >= 1, got {chunk!r} (leave it out to "
                            "prefill each prompt in one forward)")
-        if self.engine == "sglang":
-            raise HsxError(f"--prefill-chunk {chunk} applies to the transformers engine (--engine hf); SGLang splits "
-                           "long prompts itself: --engine-arg chunked_prefill_size=N")
 
     def _validate_ray(self) -> None:
         if self.num_workers is not None and self.num_workers < 1:
@@ -203,3 +194,20 @@ class ExtractConfig:
     def merged(self, overrides: dict) -> "ExtractConfig":
         """A copy with the given (non-None) fields replaced, e.g. CLI options over a config file."""
         return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def differences(old, new, prefix: str = "") -> list[str]:
+    """``field: old -> new`` for every leaf field that differs between two JSON-like dicts."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in sorted(set(old) | set(new), key=str):
+            out += differences(old.get(k), new.get(k), f"{prefix}{k}.")
+        return out
+    if old == new:
+        return []
+    return [f"{prefix[:-1]}: {_short(old)} -> {_short(new)}"]
+
+
+def _short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -466,7 +466,7 @@ def real_states(work: Path) -> dict:
     again through one lane (MB/s per core) and read back (MB/s, against the raw layout)."""
     from hsx.config import ExtractConfig
     from hsx.demo.pretrained import smollm2_checkpoint
-    from hsx.pipeline import extract
+    from hsx.run.pipeline import extract
 
     model = smollm2_checkpoint()
     data = ROOT / "hsx" / "demo_data" / "prompts.jsonl"

@@ -23,7 +23,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 "$PY" - <<'CHECK' || { echo "bench_gpu.sh: install hsx's requirements first (bash scripts/setup.sh)" >&2; exit 2; }
 import datasets, pyarrow, typer, transformers
 from packaging.version import Version
-from hsx.engine.hf import MIN_TRANSFORMERS
+from hsx.engine.hf.engine import MIN_TRANSFORMERS
 assert Version(transformers.__version__) >= Version(MIN_TRANSFORMERS), f"transformers {transformers.__version__} < {MIN_TRANSFORMERS}"
 CHECK
 exec "$PY" "$ROOT/scripts/bench_gpu.py" "$@"

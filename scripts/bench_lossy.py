@@ -33,7 +33,7 @@ import hsx  # noqa: E402
 from hsx import analysis as A  # noqa: E402
 from hsx.config import ExtractConfig  # noqa: E402
 from hsx.demo.pretrained import smollm2_checkpoint  # noqa: E402
-from hsx.pipeline import extract  # noqa: E402
+from hsx.run.pipeline import extract  # noqa: E402
 from hsx.shards.manifest import MANIFEST, load_manifest  # noqa: E402
 
 DATA = ROOT / "hsx" / "demo_data" / "prompts.jsonl"

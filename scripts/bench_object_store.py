@@ -95,7 +95,7 @@ def loader_pass(out, read_ahead: int) -> tuple[float, int]:
 
 
 def clear(out) -> None:
-    from hsx.shards.store import as_path
+    from hsx.storage.store import as_path
 
     path = as_path(out)
     if isinstance(path, Path):

@@ -7,7 +7,7 @@ and storing float32 and bfloat16, then runs the recompute in float32 and in bflo
 output. Prints the worst per-row relative error and cosine per (engine compute, stored, recompute)
 dtypes and per column source, and the recompute's rows/s against extraction's on the same
 shards; writes bench_out/recompute-<model>-<mode>.json. These numbers are where the tolerance's
-measured terms (hsx/recompute/tolerance.py) come from.
+measured terms (hsx/compare/tolerance.py) come from.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from hsx.config import ExtractConfig
-from hsx.pipeline import extract
+from hsx.run.pipeline import extract
 from hsx.recompute import recompute
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ Run inside the real-SGLang CPU lane (or on a GPU with ``--device cuda``):
 Same model, same prompts, same batches, same engine settings (radix cache and chunked prefill off,
 token ids in), plain greedy decoding:
   no-hidden  sglang.Engine.generate without hidden states (the limit: nothing leaves the engine);
-  capture    hsx.pipeline.extract with --sglang-capture tensors, end to end: dataset, rendering,
+  capture    hsx.run.pipeline.extract with --sglang-capture tensors, end to end: dataset, rendering,
              engine, rows through hsx's capture files, alignment, bf16 shards with fsync;
   lists      the same with --sglang-capture lists (SGLang's return_hidden_states float lists).
 Engine start-up is timed apart and left out of the ratios. The capture run goes first, so the other
@@ -27,12 +27,12 @@ from pathlib import Path
 import torch
 
 import hsx
-import hsx.engine.loader as loader
+import hsx.engine.registry as loader
 from hsx.config import ExtractConfig
 from hsx.demo.models import build_tiny_llama
 from hsx.demo.tokenizer import build_demo_tokenizer, demo_corpus
-from hsx.engine.sglang import REQUIRED_ARGS, SGLangRunner
-from hsx.pipeline import extract
+from hsx.engine.sglang.runner import REQUIRED_ARGS, SGLangRunner
+from hsx.run.pipeline import extract
 
 CPU_ARGS = {"attention_backend": "torch_native", "sampling_backend": "pytorch", "disable_cuda_graph": True,
             "mem_fraction_static": 0.3, "max_total_tokens": 65536, "context_length": 1024}

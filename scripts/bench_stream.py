@@ -3,7 +3,7 @@
     python scripts/bench_stream.py [--config scripts/demo_run.toml] [--repeats 6] [--mode generate|prefill] [--copies K]
 
 In one process, alternating (the side that goes first swaps every repeat): ``extract`` of the config
-into a fresh temporary output, and one pass of a fresh :class:`hsx.feed.Feed` over the same config
+into a fresh temporary output, and one pass of a fresh :class:`hsx.run.feed.Feed` over the same config
 whose consumer only counts rows. Both sides include loading the dataset and the engine; warm-up
 repeats come first and are not counted. Reported per repeat: wall and CPU seconds of each side and
 the throughput ratio stream / extract by each (median over repeats; CPU time is less shaken by
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import hsx
 from hsx.config import ExtractConfig
-from hsx.pipeline import extract
+from hsx.run.pipeline import extract
 
 
 def time_extract(cfg: ExtractConfig, out: Path) -> dict:

@@ -59,7 +59,7 @@ def child_plain(spec: dict) -> dict:
 
 def child_hsx(spec: dict) -> dict:
     t0 = time.perf_counter()
-    import hsx.engine.vllm as engine
+    import hsx.engine.vllm.runner as engine
     from hsx.cli import app
 
     imported = time.perf_counter()
@@ -109,7 +109,7 @@ def make_case(root: Path, models, n: int, max_new: int, draft: Path | None) -> P
     from transformers import AutoTokenizer
 
     from hsx.demo.tokenizer import demo_corpus
-    from hsx.engine.vllm import REQUIRED_ARGS
+    from hsx.engine.vllm.runner import REQUIRED_ARGS
 
     words = demo_corpus().split()
     texts = [" ".join(words[(i * 37) % (len(words) - 80):][: 8 + (i * 13) % 72]) for i in range(n)]

@@ -13,7 +13,7 @@ bytes, all columns):
   decode       hsx.decode of each column's cells as pyarrow gives them (pieces chained; the cells are read
                before the step), the arrays kept
   loader       one pass of hsx.tokens_loader(out, batch_size=1024, shuffle_buffer=0), batches dropped
-  specforge    hsx.eagle3.export.export_specforge(out, ...): one .ckpt of both columns
+  specforge    hsx.export.specforge.export_specforge(out, ...): one .ckpt of both columns
   speculators  hsx.export.export_speculators(out, target_layer_ids=[1, 2]): hidden_states [T, 3, H]
   saelens      hsx.export.export_saelens(out, column="b4", context_size=1024): float32 contexts
   verify       hsx.shards.verify.verify(out): checksums, every row group's cells, row counts, NaN/Inf
@@ -124,7 +124,7 @@ def _run(kind: str, out: Path, meta: dict, kept: list, cells: list | None) -> No
         seen = sum(b["position"].numel() for b in hsx.tokens_loader(out, batch_size=1024, shuffle_buffer=0))
         kept.append(seen)
     elif kind == "specforge":
-        from hsx.eagle3.export import export_specforge
+        from hsx.export.specforge import export_specforge
 
         export_specforge(out, dst, draft_vocab_size=VOCAB // 2, target_vocab_size=VOCAB, progress=False)
     elif kind == "speculators":

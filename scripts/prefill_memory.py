@@ -66,7 +66,7 @@ class PeakMeter:
 
 def run_hsx(model: str, data: str, out: str, layers: str, chunk: int | None) -> dict:
     import hsx
-    from hsx.engine import hf
+    from hsx.engine.hf import engine as hf
 
     calls = []
     prefill = hf.HFEngine.prefill

@@ -12,7 +12,7 @@ _MAIN = "from hsx.cli import main\nsys.argv = ['hsx', *sys.argv[2:]]\nmain()\n"
 
 # Holds once the output's lock is taken, before anything is written (argv[1] unused).
 AFTER_LOCK = _PRELUDE + """
-import hsx.pipeline as pipeline
+import hsx.run.pipeline as pipeline
 def prepare_output(*args, **kwargs):
     print("held", flush=True)
     threading.Event().wait()

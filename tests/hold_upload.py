@@ -9,7 +9,7 @@ import threading
 
 
 def hold_first_upload() -> None:
-    from hsx.shards import store
+    from hsx.storage import store
 
     real = store.ObjectStore.upload
 

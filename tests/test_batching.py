@@ -14,8 +14,8 @@ import torch
 
 from hsx.align import ModelShape, parse_layers
 from hsx.demo.models import build_tiny_llama, build_tiny_qwen2, perturbed_copy
-from hsx.engine import HFEngine, SamplingSettings, SpecSettings
-from hsx.engine.batching import longest_first, prefill_batches
+from hsx.engine.hf import HFEngine, SamplingSettings, SpecSettings
+from hsx.engine.hf.batching import longest_first, prefill_batches
 from oracle import oracle_rows
 
 VOCAB, TOL = 256, 1e-4
@@ -148,7 +148,7 @@ def test_stream_is_reproducible_when_sampling():
 def test_cache_storage_allocated_ahead_is_zero_not_garbage():
     # stale slots are masked, but a masked NaN (or a huge garbage score) still poisons the softmax:
     # storage handed out ahead of use must hold finite values
-    from hsx.engine.hf import _SlotLayer
+    from hsx.engine.hf.engine import _SlotLayer
 
     poison = torch.full((1 << 22,), float("nan"), dtype=torch.bfloat16)  # leave NaNs in freed memory
     del poison

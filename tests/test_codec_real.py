@@ -68,7 +68,7 @@ MAX_LOSSY_RATIO = {"int8": 0.36, "float8_e4m3": 0.37}
 
 @pytest.mark.parametrize("dtype", sorted(MAX_LOSSY_RATIO))
 def test_lossy_dtypes_on_smollm2_states_are_smaller_and_within_their_bound(tmp_path, dtype):
-    from hsx.recompute.tolerance import UNIT_ROUNDOFF
+    from hsx.compare.tolerance import UNIT_ROUNDOFF
 
     model = smollm2_checkpoint()
     outs = {}

@@ -22,7 +22,7 @@ import hsx
 from hsx.config import ExtractConfig
 from hsx.demo.models import build_tiny_llama, make_layerskip_draft
 from hsx.demo.tokenizer import build_demo_tokenizer
-from hsx.pipeline import extract
+from hsx.run.pipeline import extract
 from shard_fixtures import bits
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,11 +19,10 @@ from hsx.cli import app
 from hsx.config import ExtractConfig
 from hsx.demo.models import build_tiny_llama
 from hsx.demo.tokenizer import build_demo_tokenizer
-from hsx.eagle3 import (Eagle3Dataset, check_eagle3_layout, collate, count_loss_tokens, export_specforge,
-                        shift_for_draft, vocab_mapping)
-from hsx.eagle3.export import relative_path
+from hsx.eagle3 import Eagle3Dataset, check_eagle3_layout, collate, count_loss_tokens, shift_for_draft, vocab_mapping
+from hsx.export.specforge import export_specforge, relative_path
 from hsx.errors import HsxError
-from hsx.pipeline import extract
+from hsx.run.pipeline import extract
 from oracle import oracle_sources
 
 NUM_LAYERS, HIDDEN = 8, 64

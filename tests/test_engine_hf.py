@@ -15,7 +15,7 @@ import torch
 
 from hsx.align import ModelShape, parse_layers
 from hsx.demo.models import build_tiny_llama, build_tiny_qwen2, make_layerskip_draft, perturbed_copy
-from hsx.engine import HFEngine, SamplingSettings, SpecSettings, load_hf_engine
+from hsx.engine.hf import HFEngine, SamplingSettings, SpecSettings, load_hf_engine
 from hsx.errors import HsxError
 from oracle import oracle_rows
 

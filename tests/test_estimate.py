@@ -12,7 +12,7 @@ from hsx.cli import app
 from hsx.config import ExtractConfig
 from hsx.demo.models import build_tiny_llama
 from hsx.demo.tokenizer import build_demo_tokenizer
-from hsx.estimate import BASE_BYTES_PER_TOKEN, CODEC_RATIO, estimate
+from hsx.run.estimate import BASE_BYTES_PER_TOKEN, CODEC_RATIO, estimate
 from hsx.shards.manifest import load_manifest
 
 torch.set_num_threads(1)

@@ -23,7 +23,7 @@ from hsx.demo.tokenizer import build_demo_tokenizer
 from hsx.errors import HsxError
 from hsx.export import export_saelens, export_speculators, hook_name_for
 from hsx.export.hfdisk import DiskDatasetWriter
-from hsx.pipeline import extract
+from hsx.run.pipeline import extract
 from oracle import oracle_sources
 
 NUM_LAYERS, HIDDEN = 8, 64

@@ -20,7 +20,7 @@ from hsx.config import ExtractConfig
 from hsx.demo.models import build_tiny_llama, make_layerskip_draft
 from hsx.demo.tokenizer import build_demo_tokenizer
 from hsx.errors import HsxError
-from hsx.pipeline import extract
+from hsx.run.pipeline import extract
 from hsx.shards.manifest import load_manifest
 import held_run
 from oracle import oracle_sources
@@ -238,12 +238,13 @@ def test_config_file_rejects_unknown_keys(tmp_path):
 
 def test_sglang_engine_options_become_engine_args_and_hf_refuses_them(tmp_path):
     from hsx.cli import _engine_args
+    from hsx.engine.registry import check_engine
 
     args = _engine_args(2, None, 0.8, "fa3", ["max_running_requests=64", "enable_torch_compile=true", "quantization=fp8"])
     assert args == {"tp_size": 2, "mem_fraction_static": 0.8, "attention_backend": "fa3",
                     "max_running_requests": 64, "enable_torch_compile": True, "quantization": "fp8"}
     with pytest.raises(HsxError, match="hf engine takes none"):
-        ExtractConfig(model="m", dataset="d", output=str(tmp_path), engine_args={"tp_size": 2}).validate()
+        check_engine(ExtractConfig(model="m", dataset="d", output=str(tmp_path), engine_args={"tp_size": 2}).validate())
     bad = CliRunner().invoke(app, ["extract", "--model", "m", "--dataset", "d", "-o", str(tmp_path / "o"),
                                    "--engine", "sglang", "--engine-arg", "no-equals-sign"])
     assert bad.exit_code == 2 and "KEY=VALUE" in bad.output

@@ -19,7 +19,7 @@ import torch
 from families import DRAFT_SCALE, FAMILIES, VOCAB, WINDOW, WINDOWED, build, cached
 from hsx.align import ModelShape, parse_layers
 from hsx.demo.models import perturbed_copy
-from hsx.engine import HFEngine, SamplingSettings, SpecSettings
+from hsx.engine.hf import HFEngine, SamplingSettings, SpecSettings
 from hsx.engine.families import AttentionPlan, find_layout
 from hsx.errors import HsxError
 from oracle import FINAL_NORM, logits_of, oracle_rows, oracle_sources

@@ -18,9 +18,9 @@ from safetensors.torch import load_file, save_file
 from hsx.align import ModelShape, parse_layers
 from hsx.demo.models import build_tiny_llama
 from hsx.demo.spec_models import EAGLE3_IDS, build_spec_models
-from hsx.engine import HFEngine, SamplingSettings, SpecSettings, load_hf_engine
+from hsx.engine.hf import HFEngine, SamplingSettings, SpecSettings, load_hf_engine
 from hsx.engine.families import load_causal_lm
-from hsx.engine.heads import Eagle3Head, head_kind, load_eagle3_head
+from hsx.heads.load import Eagle3Head, head_kind, load_eagle3_head
 from hsx.errors import HsxError
 from oracle import oracle_rows
 
@@ -289,7 +289,7 @@ def test_head_loaded_as_a_plain_llama_is_refused(built):
 
 def test_extract_runner_refuses_incomplete_draft(built, saved_llama, tmp_path):
     from hsx.config import ExtractConfig
-    from hsx.engine.loader import HFRunner
+    from hsx.engine.hf.runner import HFRunner
 
     models, _, _ = built
     bad = tmp_path / "bad"
@@ -367,7 +367,7 @@ def test_sglang_entry_point_checks_target_and_head_before_starting(built, saved_
     import sys
 
     from hsx.config import ExtractConfig
-    from hsx.engine.sglang import SGLangRunner
+    from hsx.engine.sglang.runner import SGLangRunner
 
     monkeypatch.setitem(sys.modules, "sglang", None)  # the checks come first: SGLang is never imported
     models, _, _ = built

@@ -26,13 +26,27 @@ from hsx.align import ModelShape
 from hsx.cli import app
 from hsx.config import ExtractConfig
 from hsx.demo.spec_models import build_spec_models
-from hsx.eagle3.vllm_head import convert_vllm_head, write_ids_copy
-from hsx.engine.heads import load_eagle3_head
-from hsx.engine.layer_ids import (eagle3_ids_as_boundaries, head_marker, resolve_head_layers, sglang_boundaries)
+from hsx.heads.vllm_head import convert_vllm_head, write_ids_copy
+from hsx.heads.load import load_eagle3_head
+from hsx.heads.layer_ids import (eagle3_ids_as_boundaries, head_marker, resolve_head_layers, sglang_boundaries)
+from hsx.engine.registry import runner_class
 from hsx.errors import HsxError
 
 ROOT = Path(__file__).resolve().parents[1]
 L = 8
+
+
+def resolve(config, engine: str, model_type: str, num_layers: int, **kwargs):
+    """A head's ids resolved for ``engine`` by the reading its runner states (``Runner.id_reading``)."""
+    return resolve_head_layers(config, runner_class(engine).id_reading, model_type, num_layers, **kwargs)
+
+
+def reading(engine: str):
+    return runner_class(engine).id_reading
+
+
+def rule(engine: str) -> str:
+    return reading(engine).rule
 
 
 def head_config(ids=(1, 3, 5), marker=None, top=None) -> dict:
@@ -50,7 +64,7 @@ def head_config(ids=(1, 3, 5), marker=None, top=None) -> dict:
 @pytest.mark.parametrize("engine,bounds,ids", [("hf", (2, 4, 6), (1, 3, 5)), ("sglang", (2, 4, 6), (1, 3, 5)),
                                                ("vllm", (1, 3, 5), (1, 3, 5))])
 def test_an_unmarked_head_keeps_each_engines_rule(engine, bounds, ids):
-    got = resolve_head_layers(head_config(), engine, "llama", L)
+    got = resolve(head_config(), engine, "llama", L)
     assert (got.boundaries, got.ids, got.marked, got.needs_rewrite) == (bounds, ids, False, False)
     assert got.describe()["rule_from"] == "engine default"
     assert got.rule == ("vllm" if engine == "vllm" else "sglang")
@@ -59,7 +73,7 @@ def test_an_unmarked_head_keeps_each_engines_rule(engine, bounds, ids):
 @pytest.mark.parametrize("engine,ids,rewrite", [("hf", (1, 3, 5), False), ("sglang", (1, 3, 5), False),
                                                 ("vllm", (2, 4, 6), True)])
 def test_a_head_marked_sglang_names_the_same_boundaries_everywhere(engine, ids, rewrite):
-    got = resolve_head_layers(head_config(marker={"aux_layer_ids_rule": "sglang", "aux_boundaries": [2, 4, 6]}),
+    got = resolve(head_config(marker={"aux_layer_ids_rule": "sglang", "aux_boundaries": [2, 4, 6]}),
                               engine, "llama", L)
     assert (got.boundaries, got.ids, got.needs_rewrite, got.marked, got.rule) == ((2, 4, 6), ids, rewrite, True, "sglang")
 
@@ -67,7 +81,7 @@ def test_a_head_marked_sglang_names_the_same_boundaries_everywhere(engine, ids, 
 @pytest.mark.parametrize("engine,ids,rewrite", [("hf", (2, 4, 6), False), ("sglang", (1, 3, 5), True),
                                                 ("vllm", (2, 4, 6), False)])
 def test_a_head_marked_vllm_names_the_same_boundaries_everywhere(engine, ids, rewrite):
-    got = resolve_head_layers(head_config((2, 4, 6), {"aux_layer_ids_rule": "vllm"}), engine, "llama", L)
+    got = resolve(head_config((2, 4, 6), {"aux_layer_ids_rule": "vllm"}), engine, "llama", L)
     assert (got.boundaries, got.ids, got.needs_rewrite) == ((2, 4, 6), ids, rewrite)
     assert got.describe() == {"aux_layer_ids_rule": "vllm", "rule_from": "marker", "head_ids": [2, 4, 6],
                               "boundaries": [2, 4, 6], "engine_ids": list(ids)}
@@ -75,11 +89,11 @@ def test_a_head_marked_vllm_names_the_same_boundaries_everywhere(engine, ids, re
 
 def test_sglangs_model_rules_apply_to_sglang_marked_heads():
     # GPT-OSS keeps ids as they are when the largest is L; the DeepSeek-V2 family unless the first id is 1
-    gpt = resolve_head_layers(head_config((2, 5, 8), {"aux_layer_ids_rule": "sglang"}), "vllm", "gpt_oss", L)
+    gpt = resolve(head_config((2, 5, 8), {"aux_layer_ids_rule": "sglang"}), "vllm", "gpt_oss", L)
     assert gpt.boundaries == (2, 5, 8) and gpt.ids == (2, 5, 8) and not gpt.needs_rewrite
-    ds = resolve_head_layers(head_config((2, 4, 6), {"aux_layer_ids_rule": "sglang"}), "vllm", "deepseek_v3", L)
+    ds = resolve(head_config((2, 4, 6), {"aux_layer_ids_rule": "sglang"}), "vllm", "deepseek_v3", L)
     assert ds.boundaries == (2, 4, 6) and not ds.needs_rewrite
-    back = resolve_head_layers(head_config((2, 4, 6), {"aux_layer_ids_rule": "vllm"}), "sglang", "deepseek_v3", L)
+    back = resolve(head_config((2, 4, 6), {"aux_layer_ids_rule": "vllm"}), "sglang", "deepseek_v3", L)
     assert back.ids == (1, 3, 5) and sglang_boundaries(back.ids, "deepseek_v3", L) == (2, 4, 6)  # first id 1: + 1
 
 
@@ -89,7 +103,7 @@ def test_a_transformers_config_carries_the_marker(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     loaded = AutoConfig.from_pretrained(tmp_path)
     assert head_marker(loaded)["aux_layer_ids_rule"] == "vllm"
-    assert resolve_head_layers(loaded, "sglang", "llama", L).ids == (1, 3, 5)
+    assert resolve(loaded, "sglang", "llama", L).ids == (1, 3, 5)
 
 
 @pytest.mark.parametrize("config,engine,match", [
@@ -106,15 +120,15 @@ def test_a_transformers_config_carries_the_marker(tmp_path):
 ])
 def test_resolution_refusals(config, engine, match):
     with pytest.raises(HsxError, match=match):
-        resolve_head_layers(config, engine, "llama", L)
+        resolve(config, engine, "llama", L)
 
 
 def test_ids_given_without_a_head_follow_the_capturing_engines_rule():
-    assert eagle3_ids_as_boundaries([2, 4, 6], "vllm", L)[0] == (2, 4, 6)
-    assert eagle3_ids_as_boundaries([1, 3, 5], "hf", L)[0] == (2, 4, 6)
-    assert eagle3_ids_as_boundaries([1, 3, 5], "sglang", L)[0] == (2, 4, 6)
+    assert eagle3_ids_as_boundaries([2, 4, 6], rule("vllm"), L)[0] == (2, 4, 6)
+    assert eagle3_ids_as_boundaries([1, 3, 5], rule("hf"), L)[0] == (2, 4, 6)
+    assert eagle3_ids_as_boundaries([1, 3, 5], rule("sglang"), L)[0] == (2, 4, 6)
     with pytest.raises(HsxError, match="vLLM needs 3 ids in 0..8"):
-        eagle3_ids_as_boundaries([2, 4, 9], "vllm", L)
+        eagle3_ids_as_boundaries([2, 4, 9], rule("vllm"), L)
 
 
 # ---- the converter ----------------------------------------------------------------------------
@@ -175,7 +189,7 @@ def test_both_engines_read_the_converted_head_as_the_original(models, converted)
     """The transformers engine (and SGLang's reading, by the marker) puts the converted head's ids [2, 4, 6]
     at boundaries 2, 4, 6, as the original's [1, 3, 5]; its drafts over target ids are the original's."""
     from hsx.engine.families import load_causal_lm
-    from hsx.engine.hf import head_aux_boundaries
+    from hsx.engine.hf.engine import head_aux_boundaries
 
     target = load_causal_lm(str(models.target), torch.float32, what="target model").eval()
     a = load_eagle3_head(models.eagle3, target, torch.float32)
@@ -271,7 +285,7 @@ def test_the_demo_trainers_head_is_marked_sglang_and_converts_without_the_target
     assert cfg["hsx"] == {"aux_layer_ids_rule": "sglang", "aux_boundaries": [2, 4, 6]}
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
     from hsx.engine.families import load_causal_lm
-    from hsx.engine.hf import head_aux_boundaries
+    from hsx.engine.hf.engine import head_aux_boundaries
 
     target = load_causal_lm(str(models.target), torch.float32, what="target model").eval()
     assert head_aux_boundaries(load_eagle3_head(out, target, torch.float32), target) == (2, 4, 6)
@@ -307,7 +321,7 @@ def _marked(models, tmp_path, rule, bounds=(2, 4, 6)) -> Path:
 
 
 def test_sglang_is_handed_a_copy_with_its_ids_for_a_vllm_head(models, converted, tmp_path):
-    from hsx.engine.sglang import SGLangRunner
+    from hsx.engine.sglang.runner import SGLangRunner
 
     vllm_head = converted[0].dst
     runner = _runner(SGLangRunner, models, draft_model=str(vllm_head), spec_algorithm="EAGLE3")
@@ -331,7 +345,7 @@ def test_sglang_is_handed_a_copy_with_its_ids_for_a_vllm_head(models, converted,
 
 
 def test_sglang_refuses_an_eagle_head_converted_for_vllm(models, converted):
-    from hsx.engine.sglang import SGLangRunner
+    from hsx.engine.sglang.runner import SGLangRunner
 
     runner = _runner(SGLangRunner, models, draft_model=str(converted[1].dst), spec_algorithm="EAGLE", layers="final")
     with pytest.raises(HsxError, match="head in vLLM's format"):
@@ -339,7 +353,7 @@ def test_sglang_refuses_an_eagle_head_converted_for_vllm(models, converted):
 
 
 def test_vllm_refuses_a_head_marked_sglang_naming_the_conversion(models, tmp_path):
-    from hsx.engine.vllm import VLLMRunner
+    from hsx.engine.vllm.runner import VLLMRunner
 
     head = _marked(models, tmp_path, "sglang")
     runner = _runner(VLLMRunner, models, draft_model=str(head), spec_algorithm="EAGLE3")
@@ -351,7 +365,7 @@ def test_vllm_refuses_a_head_marked_sglang_naming_the_conversion(models, tmp_pat
 
 
 def test_vllm_plans_the_converted_head_and_records_the_rule(models, converted):
-    from hsx.engine.vllm import VLLMRunner
+    from hsx.engine.vllm.runner import VLLMRunner
 
     head = converted[0].dst
     runner = _runner(VLLMRunner, models, draft_model=str(head), spec_algorithm="EAGLE3")
@@ -373,7 +387,7 @@ def test_vllm_plans_the_converted_head_and_records_the_rule(models, converted):
 
 
 def test_the_transformers_engine_records_the_rule_it_applied(models, converted):
-    from hsx.engine.loader import HFRunner
+    from hsx.engine.hf.runner import HFRunner
 
     for head, rule, source in ((models.eagle3, "sglang", "engine default"), (converted[0].dst, "vllm", "marker")):
         runner = HFRunner(ExtractConfig(model=str(models.target), draft_model=str(head), dataset="x", device="cpu",
@@ -387,14 +401,14 @@ def test_the_transformers_engine_records_the_rule_it_applied(models, converted):
 # ---- a run over an hsx output's tokens --------------------------------------------------------
 
 def test_a_stored_tokens_run_plans_eagle3_by_the_engines_rule(models):
-    from hsx.engine.stored import planned_groups
+    from hsx.engine.replay.runner import planned_groups
 
     shape = ModelShape(L, 128)
     cfg = ExtractConfig(model="m", dataset="d", layers="final,eagle3", eagle3_layer_ids=[2, 4, 6])
-    assert next(g for g in planned_groups(dataclasses.replace(cfg, engine="vllm"), shape)
+    assert next(g for g in planned_groups(dataclasses.replace(cfg, engine="vllm"), shape, reading("vllm"))
                 if g.name == "eagle3").sources == (2, 4, 6)
-    assert next(g for g in planned_groups(cfg, shape) if g.name == "eagle3").sources == (3, 5, 7)
-    assert next(g for g in planned_groups(dataclasses.replace(cfg, eagle3_layer_ids=None), shape)
+    assert next(g for g in planned_groups(cfg, shape, reading("hf")) if g.name == "eagle3").sources == (3, 5, 7)
+    assert next(g for g in planned_groups(dataclasses.replace(cfg, eagle3_layer_ids=None), shape, reading("hf"))
                 if g.name == "eagle3").sources == (2, 4, 5)
 
 
@@ -403,10 +417,10 @@ def test_a_stored_tokens_run_with_vllms_ids_checks_the_right_boundaries(models, 
     same boundaries (it was refused before: the ids were read with SGLang's + 1). The engine here is the
     transformers engine standing in for vLLM, with the columns vLLM's rule makes of those ids."""
     import hsx
-    from hsx.engine import loader
-    from hsx.engine.loader import HFRunner
-    from hsx.engine.stored import StoredTokensRunner
-    from hsx.pipeline import extract
+    from hsx.engine import registry as loader
+    from hsx.engine.hf.runner import HFRunner
+    from hsx.engine.replay.runner import StoredTokensRunner
+    from hsx.run.pipeline import extract
 
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("the cat sat", "a b c d e f", "hidden states")))
@@ -420,14 +434,14 @@ def test_a_stored_tokens_run_with_vllms_ids_checks_the_right_boundaries(models, 
         assert c.engine == "vllm" and c.eagle3_layer_ids == [2, 4, 6]
         return HFRunner(dataclasses.replace(c, engine="hf", eagle3_layer_ids=[1, 3, 5]))
 
-    monkeypatch.setattr(loader, "_engine_of", as_vllm)
+    monkeypatch.setattr(loader, "_runner_of", as_vllm)
     again = tmp_path / "again"
     cfg = ExtractConfig(dataset=str(src), output=str(again), eagle3_layer_ids=[2, 4, 6], engine="vllm", **common)
     extract(cfg, progress=False, checked=True)  # every row of both columns checked against the source's
     out = hsx.open(str(again))
     assert len(out) == 3 and out.metadata["layers"][1]["sources"] == [2, 4, 6]
-    runner = StoredTokensRunner(cfg, as_vllm)
+    runner = StoredTokensRunner(cfg, as_vllm, reading("vllm"))
     assert [(s.name, s.source) for s in runner.shared] == [("final", "final"), ("eagle3", 2), ("eagle3", 4),
                                                             ("eagle3", 6)]
     with pytest.raises(HsxError, match=r"column 'eagle3' would hold sources \[3, 5, 7\]"):
-        StoredTokensRunner(dataclasses.replace(cfg, engine="hf"), as_vllm)  # the transformers engine: + 1
+        StoredTokensRunner(dataclasses.replace(cfg, engine="hf"), as_vllm, reading("hf"))  # the transformers engine: + 1

@@ -20,10 +20,10 @@ from hsx.cli import app
 from hsx.demo.models import build_tiny_llama
 from hsx.demo.tokenizer import build_demo_tokenizer
 from hsx.errors import HsxError
-from hsx.shards.lock import LOCK, OutputLock
+from hsx.storage.lock import LOCK, OutputLock
 from hsx.shards.manifest import load_manifest
 
-HOLD = ("import sys, time; from hsx.shards.lock import OutputLock\n"
+HOLD = ("import sys, time; from hsx.storage.lock import OutputLock\n"
         "lock = OutputLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(600)\n")
 
 

@@ -193,7 +193,7 @@ def cli_extract(tiny: dict, dtype: str, mode: str) -> Path:
 @pytest.mark.parametrize("kind", KINDS)
 def test_an_extract_with_a_lossy_dtype_reads_back_within_its_bound(tiny, kind, mode):
     from hsx.eagle3 import Eagle3Dataset
-    from hsx.recompute.tolerance import UNIT_ROUNDOFF
+    from hsx.compare.tolerance import UNIT_ROUNDOFF
 
     ref, lossy = hsx.open(cli_extract(tiny, "float32", mode)), hsx.open(cli_extract(tiny, kind, mode))
     assert lossy.metadata["dtype"] == kind and lossy.metadata["format_version"] == fmt.FORMAT_VERSION >= 5

@@ -1,5 +1,5 @@
 """notebooks/analysis.ipynb: stored without outputs, and executed end to end on shards that a tiny
-target + draft pair writes through ``hsx.pipeline.extract`` (speculative decoding, several shards)."""
+target + draft pair writes through ``hsx.run.pipeline.extract`` (speculative decoding, several shards)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from hsx.cli import app
 from hsx.config import ExtractConfig
 from hsx.demo.models import build_tiny_llama, make_layerskip_draft
 from hsx.demo.tokenizer import build_demo_tokenizer
-from hsx.pipeline import extract
+from hsx.run.pipeline import extract
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "analysis.ipynb"
 PROMPTS = Path(__file__).resolve().parents[1] / "hsx" / "demo_data" / "prompts.jsonl"

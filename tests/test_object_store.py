@@ -24,11 +24,11 @@ from hsx.config import ExtractConfig
 from hsx.demo.models import build_tiny_llama
 from hsx.demo.tokenizer import build_demo_tokenizer
 from hsx.errors import HsxError
-from hsx.pipeline import extract
+from hsx.run.pipeline import extract
 from hsx.shards import Manifest, ShardSink
-from hsx.shards.lease import LEASE, Lease
+from hsx.storage.lease import LEASE, Lease
 from hsx.shards.manifest import MANIFEST, load_manifest
-from hsx.shards.store import ObjectStore, as_path
+from hsx.storage.store import ObjectStore, as_path
 from s3_server import S3Server, s3_env, s3_server  # noqa: F401  (fixtures)
 from shard_fixtures import bits, make_metadata, random_records
 
@@ -56,7 +56,7 @@ def test_only_one_of_two_writers_commits_the_manifest(s3_env):
     commit wins, the second is refused, and the manifest holds the first."""
     first, second = ObjectStore(s3_env.bucket), ObjectStore(s3_env.bucket)
     key = "two-writers/" + MANIFEST
-    from hsx.shards.store import ObjectPath
+    from hsx.storage.store import ObjectPath
 
     a, b = ObjectPath(first, key), ObjectPath(second, key)
     a.commit_bytes(b'{"v": 0}')  # none yet: If-None-Match
@@ -126,7 +126,7 @@ def test_a_shard_committed_before_its_copy_is_read_and_published(s3_env, monkeyp
 
 def test_another_runs_output_is_refused_then_replaced_with_overwrite(s3_env):
     from hsx.config import ExtractConfig
-    from hsx.output import prepare_output
+    from hsx.run.output import prepare_output
 
     meta = make_metadata([8])
     out = uri(s3_env, "overwrite")
@@ -236,9 +236,9 @@ def test_extract_into_the_store_equals_local_disk_and_reads_back_everywhere(s3_e
 
 HOLD_AFTER_LEASE = """
 import sys, threading
-import hsx.shards.lease as lease
+import hsx.storage.lease as lease
 lease.LEASE_SECONDS = float(sys.argv[1])
-import hsx.pipeline as pipeline
+import hsx.run.pipeline as pipeline
 def prepare_output(*args, **kwargs):
     print("held", flush=True)
     threading.Event().wait()
@@ -251,7 +251,7 @@ main()
 # Holds (on the shard writer's thread) once the manifest commits a shard, until a line comes on stdin.
 HOLD_AFTER_COMMIT = """
 import sys
-import hsx.shards.lease as lease
+import hsx.storage.lease as lease
 lease.LEASE_SECONDS = float(sys.argv[1])
 from hsx.shards import writer
 real, held = writer.ShardSink._save, []
@@ -344,7 +344,7 @@ def test_a_live_lease_is_not_taken_and_a_lost_one_stops_commits(s3_env):
 
 def test_of_two_successors_to_an_expired_lease_one_takes_it(s3_env, monkeypatch):
     """Both read the expired lease; the one whose conditional put comes second is refused."""
-    from hsx.shards.store import ObjectPath
+    from hsx.storage.store import ObjectPath
 
     first, second = ObjectStore(s3_env.bucket), ObjectStore(s3_env.bucket)
     first.put(f"race/{LEASE}", json.dumps({"holder": "dead", "pid": 1, "host": "gone", "ttl_s": 0}).encode())

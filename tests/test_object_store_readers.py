@@ -20,9 +20,9 @@ from hsx.config import ExtractConfig
 from hsx.demo.models import build_tiny_llama
 from hsx.demo.tokenizer import build_demo_tokenizer
 from hsx.eagle3 import Eagle3Dataset
-from hsx.eagle3.export import export_specforge
+from hsx.export.specforge import export_specforge
 from hsx.export import export_saelens, export_speculators
-from hsx.pipeline import extract
+from hsx.run.pipeline import extract
 from hsx.recompute import recompute
 from hsx.shards.verify import inspect
 from s3_server import S3Server, s3_env, s3_server  # noqa: F401  (fixtures)

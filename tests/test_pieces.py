@@ -19,8 +19,8 @@ from hsx.demo.models import build_tiny_llama
 from hsx.demo.tokenizer import build_demo_tokenizer
 from hsx.errors import ShardError
 from hsx.export import export_saelens, export_speculators
-from hsx.eagle3.export import export_specforge
-from hsx.pipeline import extract
+from hsx.export.specforge import export_specforge
+from hsx.run.pipeline import extract
 from hsx.recompute import recompute
 from hsx.shards import format as fmt
 from hsx.shards.verify import inspect, verify

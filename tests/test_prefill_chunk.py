@@ -35,9 +35,9 @@ from hsx.cli import app
 from hsx.config import ExtractConfig
 from hsx.demo.models import build_tiny_llama, perturbed_copy
 from hsx.demo.tokenizer import build_demo_tokenizer
-from hsx.engine import HFEngine, SamplingSettings, SpecSettings
+from hsx.engine.hf import HFEngine, SamplingSettings, SpecSettings
 from hsx.errors import HsxError
-from hsx.pipeline import extract
+from hsx.run.pipeline import extract
 from oracle import logits_of, oracle_rows, oracle_sources
 from shard_fixtures import rewrite
 
@@ -314,7 +314,7 @@ def test_draft_prefill_in_chunks_drafts_the_same(models, head_models, draft, chu
     # the drafts (hence the accept lengths) depend on the draft's prefill of the prompt: a chunk that paired a
     # token with the wrong aux state, or whose keys a later chunk could not see, drafts other tokens
     from hsx.demo.spec_models import EAGLE3_IDS
-    from hsx.engine.heads import load_eagle3_head
+    from hsx.heads.load import load_eagle3_head
 
     lengths = (13, 2, 9)
     if draft == "eagle3 head":
@@ -375,8 +375,10 @@ def test_nonsense_chunk_sizes_are_refused_by_name(value):
 
 
 def test_sglang_engine_refuses_prefill_chunk():
+    from hsx.engine.registry import check_engine
+
     with pytest.raises(HsxError, match=r"--prefill-chunk 512 applies to the transformers engine.*chunked_prefill_size"):
-        ExtractConfig(model="m", dataset="d", output="o", engine="sglang", prefill_chunk=512).validate()
+        check_engine(ExtractConfig(model="m", dataset="d", output="o", engine="sglang", prefill_chunk=512).validate())
 
 
 def test_cli_refuses_a_zero_chunk_before_loading_anything(models, tmp_path):
@@ -388,7 +390,7 @@ def test_cli_refuses_a_zero_chunk_before_loading_anything(models, tmp_path):
 
 
 def test_the_option_reaches_the_engine_and_stays_out_of_the_config_hash(models):
-    from hsx.engine.loader import build_engine
+    from hsx.engine.registry import build_engine
 
     cfg = ExtractConfig(model=models["target"], dataset=models["data"], output="o", mode="prefill", prefill_chunk=5)
     assert build_engine(cfg).engine.prefill_chunk == 5

@@ -1,4 +1,4 @@
-"""Mistakes refused before any weight loads (hsx.preflight), Ctrl-C and resume, quiet output, --help
+"""Mistakes refused before any weight loads (hsx.run.preflight), Ctrl-C and resume, quiet output, --help
 at 80 columns; through the CLI (CliRunner) and, where the whole process matters, a subprocess."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from hsx.config import ExtractConfig
 from hsx.demo.models import build_tiny_llama
 from hsx.demo.tokenizer import build_demo_tokenizer
 from hsx.errors import HsxError
-from hsx.preflight import check_extract, looks_local, model_config
+from hsx.run.preflight import check_extract, looks_local, model_config
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,12 +47,12 @@ def model_dir(tmp_path_factory) -> str:
 @pytest.fixture
 def no_engine(monkeypatch):
     """Any model load fails the test: what is checked here must be refused before it."""
-    import hsx.engine.loader
+    import hsx.engine.registry
 
     def refuse(cfg):
         raise AssertionError("the engine was built before the mistake was refused")
 
-    monkeypatch.setattr(hsx.engine.loader, "build_engine", refuse)
+    monkeypatch.setattr(hsx.engine.registry, "build_engine", refuse)
 
 
 def write_rows(path: Path, rows) -> Path:
@@ -180,7 +180,7 @@ def test_an_unreachable_hub_puts_the_process_offline(monkeypatch):
 
     import huggingface_hub.constants as constants
 
-    from hsx.preflight import hub_offline
+    from hsx.run.preflight import hub_offline
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
@@ -264,9 +264,9 @@ def test_a_mistake_is_refused_before_the_model_loads(model_dir, tmp_path, no_eng
 def test_an_output_of_another_configuration_is_refused_before_the_model_loads(model_dir, tmp_path, monkeypatch):
     data, out = write_rows(tmp_path / "d.jsonl", ROWS), tmp_path / "out"
     assert CliRunner().invoke(app, args(model_dir, data, out)).exit_code == 0
-    import hsx.engine.loader
+    import hsx.engine.registry
 
-    monkeypatch.setattr(hsx.engine.loader, "build_engine", lambda cfg: pytest.fail("engine built"))
+    monkeypatch.setattr(hsx.engine.registry, "build_engine", lambda cfg: pytest.fail("engine built"))
     msg = refused(CliRunner().invoke(app, args(model_dir, data, out, "--max-new-tokens", "5")))
     assert "holds a run with a different configuration (max_new_tokens: 3 -> 5)" in msg, msg
 
@@ -281,7 +281,7 @@ def test_columns_are_the_union_of_a_jsonl_files_rows(model_dir, tmp_path):
 
 
 def test_a_directory_not_written_by_save_to_disk_is_left_to_the_loader(tmp_path):
-    from hsx.preflight import dataset_columns
+    from hsx.run.preflight import dataset_columns
 
     d = tmp_path / "files"
     d.mkdir()
@@ -292,7 +292,7 @@ def test_a_directory_not_written_by_save_to_disk_is_left_to_the_loader(tmp_path)
 
 
 def test_the_python_api_runs_the_same_checks(model_dir, tmp_path, no_engine):
-    from hsx.pipeline import extract
+    from hsx.run.pipeline import extract
 
     cfg = ExtractConfig(model=str(tmp_path / "nothing"), dataset="d.jsonl", output=str(tmp_path / "out"))
     with pytest.raises(HsxError, match="--model .*nothing': no such directory"):
@@ -350,7 +350,7 @@ def test_ctrl_c_says_what_is_committed_and_the_same_command_resumes(model_dir, t
 
 
 def test_quiet_prints_nothing_and_the_default_prints_one_summary(model_dir, tmp_path, monkeypatch):
-    from hsx.report import LIBRARY_QUIET
+    from hsx.run.report import LIBRARY_QUIET
 
     for key in LIBRARY_QUIET:
         monkeypatch.delenv(key, raising=False)
@@ -365,7 +365,7 @@ def test_quiet_prints_nothing_and_the_default_prints_one_summary(model_dir, tmp_
 
 
 def test_verbose_leaves_the_libraries_alone(model_dir, tmp_path, monkeypatch):
-    from hsx.report import LIBRARY_QUIET
+    from hsx.run.report import LIBRARY_QUIET
 
     for key in LIBRARY_QUIET:
         monkeypatch.delenv(key, raising=False)

@@ -22,10 +22,10 @@ def test_import_hsx_loads_nothing_heavy():
 
 def test_documented_names_are_reachable_after_import_hsx():
     from hsx.config import ExtractConfig
-    from hsx.pipeline import extract
+    from hsx.run.pipeline import extract
     from hsx.recompute import recompute
 
-    assert hsx.extract is extract and hsx.pipeline.extract is extract
+    assert hsx.extract is extract and hsx.run.pipeline.extract is extract
     assert hsx.ExtractConfig is ExtractConfig and hsx.config.ExtractConfig is ExtractConfig
     assert hsx.recompute.recompute is recompute
     for name in hsx.SUBMODULES:
@@ -49,7 +49,7 @@ def test_extract_from_python_quietly(tmp_path, capfd):
     from transformers.utils import logging as hf_logging
 
     hf_logging.enable_progress_bar()  # a notebook's state: the libraries' bars on
-    summary = hsx.pipeline.extract(cfg, progress=False)  # the expression the front page gives
+    summary = hsx.run.pipeline.extract(cfg, progress=False)  # the expression the front page gives
     assert summary.samples == 1 and len(hsx.open(tmp_path / "out")) == 1
     err = capfd.readouterr().err
     assert "sample/s" not in err  # no progress bar

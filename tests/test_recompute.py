@@ -23,9 +23,9 @@ from hsx.config import ExtractConfig
 from hsx.demo.models import build_tiny_llama, make_layerskip_draft
 from hsx.demo.tokenizer import build_demo_tokenizer
 from hsx.errors import HsxError
-from hsx.pipeline import extract
+from hsx.run.pipeline import extract
 from hsx.recompute import Reference, check_samples, recompute, tolerance_for
-from hsx.recompute.tolerance import UNIT_ROUNDOFF
+from hsx.compare.tolerance import UNIT_ROUNDOFF
 from hsx.shards import quant
 from hsx.shards.format import dtype_of
 from oracle import oracle_sources
@@ -382,7 +382,7 @@ def test_a_copy_of_the_model_is_accepted_and_another_refused_unless_forced(model
 
 
 def test_in_memory_samples_from_the_engine(models):
-    from hsx.engine.hf import HFEngine, SamplingSettings, SpecSettings
+    from hsx.engine.hf.engine import HFEngine, SamplingSettings, SpecSettings
 
     groups = [LayerGroup("final", ("final",), 64), LayerGroup("b4", (4,), 64)]
     engine = HFEngine(models["model"], groups, draft_model=make_layerskip_draft(models["model"], 2),

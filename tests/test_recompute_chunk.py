@@ -24,7 +24,7 @@ from hsx.cli import app
 from hsx.config import ExtractConfig
 from hsx.demo.models import build_tiny_llama
 from hsx.demo.tokenizer import build_demo_tokenizer
-from hsx.pipeline import extract
+from hsx.run.pipeline import extract
 from hsx.recompute import AUTO_CHUNK, Reference, check_samples, chunk_for, recompute, tolerance_for
 from hsx.recompute.chunked import HALO
 from hsx.shards import format as fmt
@@ -287,7 +287,7 @@ def test_cli_recompute_chunk(run, tmp_path):
 
 
 def test_in_memory_engine_samples_in_chunks(run):
-    from hsx.engine.hf import HFEngine
+    from hsx.engine.hf.engine import HFEngine
 
     model = run["model"]
     groups = parse_layers(LAYERS, ModelShape.from_config(model.config))

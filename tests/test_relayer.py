@@ -23,10 +23,10 @@ from hsx.config import ExtractConfig
 from hsx.demo.models import build_tiny_llama, make_layerskip_draft
 from hsx.demo.tokenizer import build_demo_tokenizer
 from hsx.errors import HsxError
-from hsx.pipeline import extract
-from hsx.recompute.agreement import agreement_tolerance, disagreement
-from hsx.recompute.compare import typical_norm
-from hsx.recompute.tolerance import tolerance_for
+from hsx.run.pipeline import extract
+from hsx.compare.agreement import agreement_tolerance, disagreement
+from hsx.compare.check import typical_norm
+from hsx.compare.tolerance import tolerance_for
 from hsx.shards.manifest import load_manifest, save_manifest
 from oracle import oracle_sources
 from shard_fixtures import rewrite
@@ -186,7 +186,7 @@ def test_verify_recompute_passes_on_the_new_output(relayered):
 
 
 def test_a_second_run_resumes_and_an_interrupted_one_finishes_bit_for_bit(models, generated, relayered, monkeypatch, tmp_path):
-    from hsx.engine.stored import StoredTokensRunner
+    from hsx.engine.replay.runner import StoredTokensRunner
 
     cfg = ExtractConfig(model=models["target"], dataset=str(generated), output=str(relayered),
                         layers=f"final,eagle3,{NUM_LAYERS}", batch_size=2)

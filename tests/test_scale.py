@@ -24,7 +24,7 @@ from hsx.config import ExtractConfig
 from hsx.demo.models import build_tiny_llama
 from hsx.demo.tokenizer import build_demo_tokenizer
 from hsx.errors import HsxError
-from hsx.pipeline import extract
+from hsx.run.pipeline import extract
 from hsx.shards.manifest import load_manifest
 
 ray = pytest.importorskip("ray")
@@ -134,7 +134,7 @@ def _committed(out: Path) -> int:
 
 
 def test_units_are_windows_and_a_repeated_id_joins_its_first_row():
-    from hsx.scale.ray_runner import plan_units
+    from hsx.run.scale.ray_runner import plan_units
 
     cfg = ExtractConfig(model="m", dataset="d", output="o", batch_size=2, unit_size=4)
     ids = ["a", "b", "c", "d", "e", "a", None, "h", "i", "c"]
@@ -152,10 +152,10 @@ def test_units_are_windows_and_a_repeated_id_joins_its_first_row():
 
 def test_hsx_and_its_cli_import_without_ray():
     code = ("import sys; sys.modules['ray'] = None\n"
-            "import hsx, hsx.cli, hsx.pipeline, hsx.scale\n"
+            "import hsx, hsx.cli, hsx.run.pipeline, hsx.run.scale\n"
             "from hsx.config import ExtractConfig\n"
             "try:\n"
-            "    hsx.scale.extract_ray(ExtractConfig(model='m', dataset='d', output='o', ray=True))\n"
+            "    hsx.run.scale.extract_ray(ExtractConfig(model='m', dataset='d', output='o', ray=True))\n"
             "except hsx.HsxError as e:\n"
             "    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -249,7 +249,7 @@ def test_driver_killed_then_resumed(setup, reference, local_ray, tmp_path, caplo
 
 
 def test_driver_refuses_a_shard_it_cannot_see_or_a_second_commit(tmp_path):
-    from hsx.scale.ray_runner import Unit, _commit
+    from hsx.run.scale.ray_runner import Unit, _commit
     from hsx.shards.manifest import Manifest
 
     (tmp_path / ".shard-000001-aaaa-00.parquet.part").write_bytes(b"x" * 10)  # a worker's shard, staged

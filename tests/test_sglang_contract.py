@@ -32,14 +32,14 @@ from hsx.align import LayerGroup
 from hsx.config import ExtractConfig
 from hsx.demo.models import build_tiny_llama, perturbed_copy
 from hsx.demo.tokenizer import build_demo_tokenizer
-from hsx.engine.hf import HFEngine, SamplingSettings, SpecSettings
-from hsx.engine import hf as hf_engine
-from hsx.engine.layer_ids import sglang_boundaries, sglang_ids_for
-from hsx.engine.sglang import import_sglang
-from hsx.engine.sglang_capture import HOOK_FACTORY, CaptureSpec, Writer, read_records
+from hsx.engine.hf.engine import HFEngine, SamplingSettings, SpecSettings
+from hsx.engine.hf import engine as hf_engine
+from hsx.heads.layer_ids import sglang_boundaries, sglang_ids_for
+from hsx.engine.sglang.runner import import_sglang
+from hsx.engine.sglang.capture import HOOK_FACTORY, CaptureSpec, Writer, read_records
 from hsx.align import Collector
 from hsx.errors import HsxError
-from hsx.pipeline import extract
+from hsx.run.pipeline import extract
 from hsx.recompute import recompute
 from hsx.shards.manifest import load_manifest
 from oracle import oracle_sources
@@ -763,7 +763,7 @@ def test_capture_final_under_eagle3_refused_with_cuda_graphs(models, tmp_path):
 
 
 def test_front_moves_the_accepted_tree_path():
-    from hsx.engine.sglang_capture import front
+    from hsx.engine.sglang.capture import front
 
     x = torch.arange(2 * 4 * 3, dtype=torch.float32).view(8, 3)  # batch 2, stride 4
     accept_index = torch.tensor([[0, 2, -1], [4, 7, 5]])

@@ -23,7 +23,7 @@ from hsx.demo.models import build_tiny_llama
 from hsx.demo.tokenizer import build_demo_tokenizer
 from hsx.errors import HsxError
 from hsx.shards import Manifest, ShardSink
-from hsx.shards.lock import LOCK, OutputLock
+from hsx.storage.lock import LOCK, OutputLock
 from hsx.shards.manifest import load_manifest
 from shard_fixtures import bits, finite_records, make_metadata, write_sink
 
@@ -38,7 +38,7 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OF
 # Test code in the child: the library has no test hooks.
 HOLD = """
 import json, sys, time
-import hsx.pipeline as pipeline
+import hsx.run.pipeline as pipeline
 real = pipeline.write_results
 def write_results(items, sink, summary, after=lambda item: None):
     manifest = sink.dir / ".hsx-manifest.json"
@@ -61,7 +61,7 @@ main()
 # The same for the Ray driver: it holds once it has committed its first unit.
 HOLD_RAY = """
 import sys, time
-import hsx.scale.ray_runner as runner
+import hsx.run.scale.ray_runner as runner
 real = runner._commit
 def commit(*args):
     real(*args)

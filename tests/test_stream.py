@@ -14,13 +14,13 @@ import torch
 
 import hsx
 from hsx.config import ExtractConfig
-from hsx.core import Failure
+from hsx.run.core import Failure
 from hsx.demo.models import build_tiny_llama, make_layerskip_draft
 from hsx.demo.tokenizer import build_demo_tokenizer
 from hsx.eagle3 import Eagle3Dataset, Eagle3Stream, collate, shift_for_draft
 from hsx.errors import HsxError
-from hsx.feed import Feed, in_source_order
-from hsx.pipeline import extract
+from hsx.run.feed import Feed, in_source_order
+from hsx.run.pipeline import extract
 from hsx.shards.manifest import load_manifest
 from hsx.shards.writer import Record
 

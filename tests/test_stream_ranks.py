@@ -20,9 +20,9 @@ import torch
 
 import hsx
 from hsx.config import ExtractConfig
-from hsx.core import Failure
+from hsx.run.core import Failure
 from hsx.errors import HsxError
-from hsx.feed import Padding, Share, ranks_from
+from hsx.run.feed import Padding, Share, ranks_from
 
 NUM_ROWS = 47
 BAD = {5: {"id": "r5", "text": "   "}}  # an empty text: a failure
@@ -217,7 +217,7 @@ def setup(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def shards(setup) -> list:
     """The offline run, with the one compute thread a Ray worker of half a CPU gets."""
-    from hsx.pipeline import extract
+    from hsx.run.pipeline import extract
 
     out = setup["root"] / "shards"
     threads = torch.get_num_threads()
@@ -415,7 +415,7 @@ def test_an_eagle3_stream_on_two_ranks_is_the_offline_dataset_shared(setup, clus
     from hsx.demo.models import build_tiny_llama
     from hsx.demo.tokenizer import build_demo_tokenizer
     from hsx.eagle3 import Eagle3Dataset
-    from hsx.pipeline import extract
+    from hsx.run.pipeline import extract
 
     tok = build_demo_tokenizer()
     model = build_tiny_llama(num_layers=8, hidden_size=HIDDEN, vocab_size=len(tok), seed=5,

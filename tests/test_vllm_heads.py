@@ -119,7 +119,7 @@ def test_the_same_head_gives_the_same_rows(outputs):
 
 def test_vllm_refuses_a_head_marked_sglang(work, tmp_path):
     from hsx.config import ExtractConfig
-    from hsx.engine.vllm import VLLMRunner
+    from hsx.engine.vllm.runner import VLLMRunner
 
     models, _, _, _ = work
     marked = tmp_path / "marked"

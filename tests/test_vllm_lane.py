@@ -27,7 +27,7 @@ from hsx.cli import app  # noqa: E402
 from hsx.config import ExtractConfig  # noqa: E402
 from hsx.data.render import Prompt  # noqa: E402
 from hsx.demo.spec_models import build_spec_models  # noqa: E402
-from hsx.engine.vllm_capture import _Record, assemble, check_version  # noqa: E402
+from hsx.engine.vllm.capture import _Record, assemble, check_version  # noqa: E402
 from hsx.errors import HsxError  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts" / "vllm_cpu"))
@@ -84,7 +84,7 @@ def transformers_engine(models, batch, layers: str, tmp_path) -> dict:
 
 
 def test_greedy_tokens_and_rows_equal_the_transformers_engine(models, tmp_path):
-    from hsx.engine.vllm import VLLMRunner
+    from hsx.engine.vllm.runner import VLLMRunner
 
     batch = prompts(models)
     theirs = transformers_engine(models, batch, "final,b3", tmp_path)
@@ -146,7 +146,7 @@ def test_extract_then_verify_recompute_passes(models, tmp_path):
     ({"engine_args": {"enable_prefix_caching": True}}, "conflict with what hsx needs"),
 ])
 def test_refusals_name_the_option(models, kw, match):
-    from hsx.engine.vllm import VLLMRunner
+    from hsx.engine.vllm.runner import VLLMRunner
 
     _, eagle3 = vllm_heads(models)
     if kw.get("spec_algorithm") in ("EAGLE", "EAGLE3"):
@@ -189,7 +189,7 @@ def test_assembly_names_a_missing_position():
 
 def test_multiprocess_engine_core_returns_the_same_rows(models, monkeypatch):
     """The engine core in its own process (vLLM's default): the capture is reached through collective_rpc."""
-    from hsx.engine.vllm import VLLMRunner
+    from hsx.engine.vllm.runner import VLLMRunner
 
     batch = prompts(models, lengths=(5, 40))
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")

@@ -4,7 +4,7 @@
 no text: each row is one of OUT's samples, its tokens as OUT stores them, or one of OUT's error
 records. The renderer (:func:`hsx.data.render.stored_prompt`) turns a row into a prompt that
 carries the sample's tokens, ``prompt_len``, loss mask, finish reason and accept lengths, and the
-engine (:mod:`hsx.engine.stored`) feeds the tokens teacher-forced and checks every column the two
+engine (:mod:`hsx.engine.replay.runner`) feeds the tokens teacher-forced and checks every column the two
 outputs share against OUT's rows.
 
 The new output has OUT's samples at OUT's positions, so the run takes OUT's ``mode``, ``keep``
@@ -99,10 +99,10 @@ def load_stored_rows(source: str):
     import datasets
     import pyarrow as pa
 
-    import hsx
+    from hsx.shards.reader import open_shards
 
     m = source_manifest(source)
-    samples = hsx.open(source).table(list(COLUMNS))
+    samples = open_shards(source).table(list(COLUMNS))
     samples = samples.append_column(SOURCE_ERROR, pa.nulls(samples.num_rows, pa.string()))
     errors = pa.Table.from_pylist([{"sample_id": e.sample_id, "source_index": e.source_index, SOURCE_ERROR: e.reason}
                                    for e in m.errors], schema=samples.schema)

@@ -1,4 +1,6 @@
-"""EAGLE3 draft training from hsx shards or a live run: torch datasets, collation, SpecForge's offline layout.
+"""EAGLE3 draft training from hsx shards or a live run: torch datasets, collation, the draft vocabulary.
+
+SpecForge's offline layout is written by :mod:`hsx.export.specforge`.
 
 Alignment (row j = state after consuming token j, see docs/FORMAT.md) is kept as stored; the
 one left shift EAGLE3 training needs happens in :func:`shift_for_draft`, documented in
@@ -14,7 +16,6 @@ from hsx.eagle3.dataset import (
     load_draft_config,
     shift_for_draft,
 )
-from hsx.eagle3.export import ExportSummary, export_specforge
 from hsx.eagle3.online import Eagle3Stream
 from hsx.eagle3.vocab import count_loss_tokens, vocab_mapping
 
@@ -22,12 +23,10 @@ __all__ = [
     "Eagle3Dataset",
     "Eagle3Layout",
     "Eagle3Stream",
-    "ExportSummary",
     "check_eagle3_layout",
     "collate",
     "count_loss_tokens",
     "eagle3_sample",
-    "export_specforge",
     "load_draft_config",
     "shift_for_draft",
     "vocab_mapping",

@@ -48,7 +48,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from hsx.align.layers import EAGLE3, FINAL, eagle3_boundaries_from_ids
-from hsx.engine.layer_ids import head_marker, resolve_head_layers
+from hsx.heads.layer_ids import HF_READING, head_marker, resolve_head_layers
 from hsx.errors import AlignmentError, HsxError
 from hsx.shards.reader import ShardDataset, open_shards
 
@@ -85,7 +85,7 @@ def load_draft_config(config: str | Path | Mapping[str, Any] | None) -> dict | N
 
 def _draft_aux_boundaries(draft: dict, num_layers: int, model_type: str | None) -> tuple[tuple[int, ...], str]:
     if head_marker(draft) is not None:  # the head says which rule its ids follow (hsx export vllm-head, the demo trainer)
-        layers = resolve_head_layers(draft, "hf", model_type, num_layers)
+        layers = resolve_head_layers(draft, HF_READING, model_type, num_layers)
         if layers.boundaries is None or len(layers.boundaries) != 3:
             raise HsxError(f"draft config: EAGLE3 needs 3 aux layer ids, found {layers.head_ids}")
         return layers.boundaries, layers.note()

@@ -1,11 +1,11 @@
-"""EAGLE3 training samples straight from a run (:class:`hsx.feed.Feed`), with no shards in between.
+"""EAGLE3 training samples straight from a run (:class:`hsx.run.feed.Feed`), with no shards in between.
 
 :class:`Eagle3Stream` yields the dicts :class:`~hsx.eagle3.dataset.Eagle3Dataset` gives for the
 shards of ``hsx extract`` with the same config (same keys, shapes, dtypes and bits, in the same
 source order), so ``DataLoader(stream, batch_size=B, collate_fn=collate)`` and
 :func:`~hsx.eagle3.dataset.shift_for_draft` make the same batches as the offline path. With
 ``rank`` and ``world_size`` (by default from torchrun's environment) each rank gets its share of
-the samples, as :class:`hsx.feed.Feed` shares records; a padding sample (``remainder="pad"``)
+the samples, as :class:`hsx.run.feed.Feed` shares records; a padding sample (``remainder="pad"``)
 carries ``"padding": True`` and an all-zero ``loss_mask``, so a loss over masked positions is
 unchanged by it.
 """
@@ -21,7 +21,7 @@ from hsx.align.layers import EAGLE3, FINAL
 from hsx.config import ExtractConfig
 from hsx.eagle3.dataset import check_eagle3_layout, eagle3_sample, load_draft_config
 from hsx.errors import HsxError
-from hsx.feed import DEFAULT_AHEAD, DEFAULT_RANK_TIMEOUT, Feed, Padding
+from hsx.run.feed import DEFAULT_AHEAD, DEFAULT_RANK_TIMEOUT, Feed, Padding
 from hsx.shards.writer import Record
 
 

@@ -19,7 +19,7 @@ import torch
 from hsx.errors import HsxError
 from hsx.shards.manifest import fsync_dir
 from hsx.shards.shard import own  # noqa: F401  (the exports' helper, defined with the shard)
-from hsx.shards.store import is_remote
+from hsx.storage.store import is_remote
 
 INFO = "hsx_export.json"
 

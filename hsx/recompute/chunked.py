@@ -3,7 +3,7 @@
 The reference is the same teacher-forced forward, run over the sample's tokens ``chunk`` at a time
 through a KV cache (:meth:`hsx.recompute.reference.Reference.chunks`). The stored rows of a chunk's
 positions are read alone (``Sample.hidden(name, rows=slice(a, b))``) and checked as
-:func:`hsx.recompute.compare.check_segment` checks a batch, over a window: the chunk's positions
+:func:`hsx.compare.check.check_segment` checks a batch, over a window: the chunk's positions
 plus up to ``HALO`` positions on each side, whose states the position test searches too (so rows
 shifted across a chunk's edge still match their neighbours) but whose rows are checked with their
 own chunk. A chunk is checked once the next one's states exist; at most two chunks' states and
@@ -24,7 +24,7 @@ import torch
 
 from hsx.align import LayerGroup
 from hsx.recompute import rows as R
-from hsx.recompute.compare import Tolerance, check_segment
+from hsx.compare.check import Tolerance, check_segment
 from hsx.recompute.reference import Reference, neighbour_sources
 from hsx.recompute.results import SampleResult, SourceResult, describe, join_runs, runs_of, source_label
 

@@ -9,7 +9,7 @@ transformers' own ``DynamicCache`` and causal mask (:meth:`Reference.chunks`).
 
 from __future__ import annotations
 
-import hashlib
+
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -17,32 +17,6 @@ import torch
 
 from hsx.align import FINAL, ModelShape
 from hsx.errors import HsxError
-
-
-def _legacy_config_sha256(config, name_or_path: str | None = None, dtype: str | None = None) -> str:
-    """The hash format-1 shards record: the whole config JSON, path, load dtype and transformers version
-    included; pass the recorded path and dtype to ask "is this the config that extraction saw?"."""
-    import copy
-
-    c = copy.deepcopy(config)
-    if name_or_path is not None:
-        c._name_or_path = name_or_path
-    if dtype is not None:
-        c.dtype = dtype
-    return hashlib.sha256(c.to_json_string(use_diff=False).encode()).hexdigest()[:16]
-
-
-def config_matches(config, recorded: dict) -> bool:
-    """Whether ``config`` is the one described by a shard's ``model`` metadata (path, dtype and library aside)."""
-    from hsx.shards.format import config_sha256
-
-    want = recorded.get("config_sha256")
-    if not want:
-        return True  # nothing recorded to compare with (hand-written shards)
-    if config_sha256(config) == want:
-        return True
-    path = recorded.get("path")
-    return any(_legacy_config_sha256(config, path, d) == want for d in (None, "float32", "bfloat16", "float16"))
 
 
 def neighbour_sources(sources: Sequence[int | str], num_layers: int) -> list[int | str]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hsx.align import FINAL
-from hsx.recompute.compare import (BOUNDARY, KINDS, MISMATCH, NONFINITE, POSITION, REPEAT, SAMPLE, ZERO,
+from hsx.compare.check import (BOUNDARY, KINDS, MISMATCH, NONFINITE, POSITION, REPEAT, SAMPLE, ZERO,
                                    SegmentCheck, Tolerance)
 
 MISALIGNED = {"position", "sample", "boundary", "zero", "repeat", "count"}

@@ -19,10 +19,11 @@ from hsx.align import LayerGroup
 from hsx.errors import HsxError
 from hsx.recompute import rows as R
 from hsx.recompute.chunked import check_in_chunks
-from hsx.recompute.compare import Tolerance, check_segment
-from hsx.recompute.reference import Reference, config_matches, neighbour_sources
+from hsx.compare.check import Tolerance, check_segment
+from hsx.recompute.reference import Reference, neighbour_sources
+from hsx.shards.format import config_matches
 from hsx.recompute.results import RecomputeReport, SampleResult, SourceResult, findings_of, source_label
-from hsx.recompute.tolerance import tolerance_for
+from hsx.compare.tolerance import tolerance_for
 
 # --recompute-chunk auto: samples longer than AUTO_CHUNK tokens are checked in chunks of AUTO_CHUNK, or
 # fewer tokens for very long samples, so that a chunk's causal mask [chunk, tokens] (~5 bytes an entry
@@ -156,7 +157,7 @@ def _load_reference(meta: dict, model: str | None, device: str, dtype: str, forc
                     found=None):
     from transformers import AutoConfig
 
-    from hsx.engine.loader import compute_dtype, resolve_device
+    from hsx.device import compute_dtype, resolve_device
 
     recorded = meta.get("model") or {}
     path = model or (str(found) if found is not None else recorded.get("path"))  # found: from any directory
@@ -201,11 +202,11 @@ def recompute(
     longer than this many tokens are checked alone, this many tokens at a time, their memory bounded
     by the chunk (``"auto"``: :func:`chunk_for`; ``None`` or ``"off"``: every sample in one forward).
     """
-    import hsx
+    from hsx.shards.reader import open_shards
 
     t0 = time.perf_counter()
     chunk = resolve_chunk(chunk)
-    ds = hsx.open(path)
+    ds = open_shards(path)
     meta = ds.metadata
     groups = [LayerGroup.from_description(g) for g in meta["layers"]]
     model_path, ref = _load_reference(meta, model, device, dtype, force, trust_remote_code, ds.model_path())

@@ -12,6 +12,7 @@ hidden-state cells hold a sample's rows (the codecs' two layouts, the lossy dtyp
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Mapping
 
@@ -234,7 +235,6 @@ def config_sha256(model_config) -> str:
     """``model.config_sha256``: the config's JSON without the keys that change with the checkout or the
     library (path, transformers version, load dtype, attention implementation), so shards made by
     different engines, hosts or transformers releases from the same model record the same hash."""
-    import hashlib
     import json
 
     cfg = {k: v for k, v in model_config.to_dict().items() if k not in _NOT_THE_MODEL}
@@ -245,7 +245,7 @@ def build_metadata(*, layers: list[dict], dtype: str, mode: str, model: dict | N
                    tokenizer: dict | None = None, engine: dict | None = None, speculative: dict | None = None,
                    dataset: dict | None = None, keep: str = "all", codec: str = DEFAULT_CODEC, **extra) -> dict:
     """The metadata blob every shard and the manifest carry (docs/FORMAT.md lists the fields)."""
-    from hsx import __version__
+    from hsx.version import __version__
 
     dtype_of(dtype)
     if mode not in COVERS:
@@ -273,3 +273,27 @@ def build_metadata(*, layers: list[dict], dtype: str, mode: str, model: dict | N
         "dataset": dataset or {},
         **extra,
     }
+
+
+def _legacy_config_sha256(config, name_or_path: str | None = None, dtype: str | None = None) -> str:
+    """The hash format-1 shards record: the whole config JSON, path, load dtype and transformers version
+    included; pass the recorded path and dtype to ask "is this the config that extraction saw?"."""
+    import copy
+
+    c = copy.deepcopy(config)
+    if name_or_path is not None:
+        c._name_or_path = name_or_path
+    if dtype is not None:
+        c.dtype = dtype
+    return hashlib.sha256(c.to_json_string(use_diff=False).encode()).hexdigest()[:16]
+
+
+def config_matches(config, recorded: dict) -> bool:
+    """Whether ``config`` is the one described by a shard's ``model`` metadata (path, dtype and library aside)."""
+    want = recorded.get("config_sha256")
+    if not want:
+        return True  # nothing recorded to compare with (hand-written shards)
+    if config_sha256(config) == want:
+        return True
+    path = recorded.get("path")
+    return any(_legacy_config_sha256(config, path, d) == want for d in (None, "float32", "bfloat16", "float16"))

@@ -50,7 +50,7 @@ from hsx.shards.cells import Cells, check_row_bytes, column_rows
 from hsx.shards.manifest import ShardEntry
 from hsx.shards.reader import open_shards, row_labels
 from hsx.shards.shard import check_schema, checksum
-from hsx.shards.store import is_remote, open_ranged
+from hsx.storage.store import is_remote, open_ranged
 
 LABELS = ("token_id", "next_token", "position", "sample_index")
 SAMPLES_PER_READ = 16  # samples decoded at a time: memory is this many samples, not a whole row group

@@ -8,7 +8,7 @@ skip names starting with a dot. Files the manifest does not name (an attempt tha
 committed, a crashed write) are ignored by readers, listed by ``hsx verify`` and overwritten by a
 resumed run. Directories written before format 4 have ``manifest.json`` and ``config.json``.
 
-In an object store (``s3://bucket/prefix``, :mod:`hsx.shards.store`) the same names are keys under
+In an object store (``s3://bucket/prefix``, :mod:`hsx.storage.store`) the same names are keys under
 the prefix: a shard is uploaded under its staging name, the manifest is saved with a conditional put
 (the commit; it fails if another writer changed the manifest since this run read it), and the shard
 is then copied to its visible name and the staged copy deleted.
@@ -25,7 +25,7 @@ from pathlib import Path
 import xxhash
 
 from hsx.errors import ShardError
-from hsx.shards.store import as_path, is_remote
+from hsx.storage.store import as_path, is_remote
 
 MANIFEST = ".hsx-manifest.json"
 CONFIG = ".hsx-config.json"  # the resolved run configuration, written beside the manifest
@@ -164,7 +164,7 @@ def fsync_dir(directory: Path) -> None:
 
 def save_manifest(directory: str | Path, manifest: Manifest) -> None:
     """Save the manifest: the commit. In a store, a put conditional on the manifest being as this
-    process last read or wrote it (see :meth:`hsx.shards.store.ObjectPath.commit_bytes`)."""
+    process last read or wrote it (see :meth:`hsx.storage.store.ObjectPath.commit_bytes`)."""
     data = json.dumps(manifest.to_json(), indent=1).encode()
     path = manifest_path(directory)
     if is_remote(path):

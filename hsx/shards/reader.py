@@ -26,7 +26,7 @@ from hsx.shards import positions
 from hsx.shards.manifest import ErrorRecord, ShardEntry, load_manifest, manifest_path, shard_path
 from hsx.shards.readonly import read_only
 from hsx.shards.shard import Shard, check_rows, fill, load_shard, parquet_row_rows
-from hsx.shards.store import as_path
+from hsx.storage.store import as_path
 
 
 class Sample:

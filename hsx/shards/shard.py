@@ -28,7 +28,7 @@ from hsx.shards import positions
 from hsx.shards.cells import Cells
 from hsx.shards.manifest import ShardEntry
 from hsx.shards.readonly import read_only
-from hsx.shards.store import open_input
+from hsx.storage.store import open_input
 
 # What reading a damaged file can raise: pyarrow picks columns by the names in the Parquet schema, which
 # the Arrow schema checked here does not cover (a flipped byte there is a UnicodeDecodeError or a KeyError).
@@ -386,7 +386,7 @@ def load_shard(path: Path, entry: ShardEntry | None, cache_blocks: int | None = 
     checked now, unless ``check_hidden`` is False: a caller that reads them all itself (``hsx verify``).
     """
     try:
-        source = open_input(path, pa.OSFile)  # a local file, or an object in a store (hsx.shards.store)
+        source = open_input(path, pa.OSFile)  # a local file, or an object in a store (hsx.storage.store)
     except FileNotFoundError:
         raise ShardError(f"{path}: shard listed in the manifest is missing") from None
     if entry is not None:

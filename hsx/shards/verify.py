@@ -15,12 +15,12 @@ import torch
 from hsx.errors import ShardError
 from hsx.shards import format as fmt
 from hsx.shards import positions
-from hsx.shards.lease import LEASE
-from hsx.shards.lock import LOCK
+from hsx.storage.lease import LEASE
+from hsx.storage.lock import LOCK
 from hsx.shards.manifest import (CONFIG, LEGACY_CONFIG, LEGACY_MANIFEST, MANIFEST, Manifest, ShardEntry, load_manifest,
                                  shard_path)
 from hsx.shards.shard import Shard, load_shard
-from hsx.shards.store import as_path, open_ranged
+from hsx.storage.store import as_path, open_ranged
 
 
 @dataclass

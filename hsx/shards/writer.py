@@ -31,7 +31,7 @@ from hsx.shards import positions
 from hsx.shards.cells import Cells
 from hsx.shards.manifest import (ErrorRecord, Manifest, ShardEntry, publish, save_manifest, staged_name,
                                  streamed_checksum)
-from hsx.shards.store import StoreError, as_path, is_remote, spool_file
+from hsx.storage.store import StoreError, as_path, is_remote, spool_file
 
 DEFAULT_LANES = min(4, os.cpu_count() or 1)  # BackgroundSink's lanes: the pipeline's parallel shard writers
 ROW_GROUP_BYTES = 64 << 20  # records' bytes per row group (with several lanes, per shard)
@@ -313,7 +313,7 @@ class ShardSink:
         names: Callable[[int], str] | None = None,
         persist: bool = True,
     ):
-        self.dir = as_path(directory)  # a local directory or a prefix in an object store (hsx.shards.store)
+        self.dir = as_path(directory)  # a local directory or a prefix in an object store (hsx.storage.store)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.manifest = manifest
         self.max_shard_bytes = max_shard_bytes

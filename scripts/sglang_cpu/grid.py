@@ -52,7 +52,7 @@ from hsx.align import AlignedSample  # noqa: E402
 from hsx.config import ExtractConfig  # noqa: E402
 from hsx.data.render import Prompt  # noqa: E402
 from hsx.demo.spec_models import REGIMES, SpecModels, build_spec_models  # noqa: E402
-from hsx.engine.sglang import SGLangRunner  # noqa: E402
+from hsx.engine.sglang.runner import SGLangRunner  # noqa: E402
 
 TOLERANCE = 1e-4  # max |row - oracle| / max |oracle|, fp32
 OFF_BY_ONE_MIN = 1e-2  # rows compared with the wrong boundaries must be at least this far off

@@ -52,13 +52,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from heads import vllm_heads  # noqa: E402
 from oracle import oracle_sources  # noqa: E402
 
-import hsx.engine.vllm as vllm_engine  # noqa: E402
+import hsx.engine.vllm.runner as vllm_engine  # noqa: E402
 from hsx.align import AlignedSample  # noqa: E402
 from hsx.config import ExtractConfig  # noqa: E402
-from hsx.core import make_record  # noqa: E402
+from hsx.run.core import make_record  # noqa: E402
 from hsx.data.render import Prompt  # noqa: E402
 from hsx.demo.spec_models import REGIMES, SpecModels, build_spec_models  # noqa: E402
-from hsx.engine.vllm import VLLMRunner  # noqa: E402
+from hsx.engine.vllm.runner import VLLMRunner  # noqa: E402
 from hsx.shards.positions import sample_positions  # noqa: E402
 
 TOLERANCE = 1e-4  # max |row - oracle| / max |oracle|, fp32

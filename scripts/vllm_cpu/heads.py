@@ -1,6 +1,6 @@
 """hsx.demo.spec_models' draft heads rewritten in the formats vLLM 0.32 loads, by ``hsx export vllm-head``.
 
-:func:`hsx.eagle3.vllm_head.convert_vllm_head` does the rewriting (its docstring and docs/VLLM.md say
+:func:`hsx.heads.vllm_head.convert_vllm_head` does the rewriting (its docstring and docs/VLLM.md say
 what changes and why):
 
 - EAGLE: SGLang's ``LlamaForCausalLMEagle`` head -> the draft's architecture name
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hsx.eagle3.vllm_head import convert_vllm_head
+from hsx.heads.vllm_head import convert_vllm_head
 
 
 def vllm_eagle(src: Path, dst: Path, target: Path) -> Path:

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from hsx.config import ExtractConfig
 from hsx.data.render import Prompt
-from hsx.engine.loader import HFRunner
+from hsx.engine.hf.runner import HFRunner
 
 
 def main(model: str, prompts: str, layers: str, max_new: str, out: str) -> None:

@@ -1,0 +1,96 @@
+"""The runner contract: what every engine hands the run layer, and the helpers engines share.
+
+An engine is a folder under ``hsx/engine/`` whose runner class subclasses :class:`Runner` and is
+named in :mod:`hsx.engine.registry`. The run layer (``hsx.run``: the core stream, the pipeline,
+the online feed, the Ray worker, the dry-run estimate) builds one with
+:func:`hsx.engine.registry.build_engine` and uses only what is listed here.
+
+Class attributes, read before any weight loads:
+
+- ``name``: the engine's registry name, recorded in the metadata (``engine.name``).
+- ``id_reading``: how the engine reads EAGLE3 layer ids it is given
+  (:class:`hsx.heads.layer_ids.IdReading`): SGLang's rule (boundary = id + 1), vLLM's
+  (boundary = id), and whether a head's ids are rewritten for it.
+- ``check_config(cfg)``: the engine's own refusals of a config, raised as :class:`HsxError`
+  before anything loads (the preflight calls it).
+
+Set by the constructor (``Runner(cfg)``, which loads the model):
+
+- ``tokenizer``: the target's tokenizer (the renderer turns rows into ids with it).
+- ``context_length``: the longest sequence the model takes, or ``None`` when it states none.
+- ``groups``: the columns the run stores (:class:`hsx.align.LayerGroup`, in order).
+- ``model_config``: the target's transformers config (hashed into the metadata).
+- ``shape``: :class:`hsx.align.ModelShape` of the target.
+
+Methods, called by the run layer:
+
+- ``describe() -> dict``: the metadata's ``engine`` record (name, version, compute dtype, ...).
+- ``describe_speculative() -> dict | None``: the metadata's ``speculative`` record.
+- ``stream(prompts)``: for a window of rendered prompts, ``(prompt, AlignedSample | SampleError)``
+  pairs as each finishes, every prompt exactly once, in any order. A per-sample problem is a
+  :class:`SampleError` in the pair; an :class:`HsxError` raised stops the run.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable, ClassVar, Iterator, Sequence
+
+from hsx.config import ExtractConfig
+from hsx.heads.layer_ids import SGLANG_READING, IdReading
+
+
+class Runner(abc.ABC):
+    """One engine driven over rendered prompts (the contract above)."""
+
+    name: ClassVar[str]
+    id_reading: ClassVar[IdReading] = SGLANG_READING
+
+    tokenizer: Any
+    context_length: int | None
+    groups: list
+    model_config: Any
+    shape: Any
+
+    @classmethod
+    def check_config(cls, cfg: ExtractConfig) -> None:
+        """Refuse what this engine cannot run, before anything loads (nothing by default)."""
+
+    @abc.abstractmethod
+    def describe(self) -> dict:
+        """The metadata's ``engine`` record."""
+
+    @abc.abstractmethod
+    def describe_speculative(self) -> dict | None:
+        """The metadata's ``speculative`` record, or ``None`` without speculative decoding."""
+
+    @abc.abstractmethod
+    def stream(self, prompts: Sequence) -> Iterator[tuple]:
+        """``(prompt, AlignedSample | SampleError)`` for each prompt of a window, as each finishes."""
+
+
+def stop_token_ids(model_path: str, tokenizer, generation_config=None) -> tuple[int, ...]:
+    """The ids that end a completion: the eos ids of the model's generation config and of its tokenizer.
+
+    ``generation_config`` is the loaded model's own; without it, the one saved beside the model (if any).
+    """
+    if generation_config is None:
+        from transformers import GenerationConfig
+
+        try:
+            generation_config = GenerationConfig.from_pretrained(model_path)
+        except OSError:
+            generation_config = None
+    stops: set[int] = set()
+    for source in (generation_config, tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        stops.update([eos] if isinstance(eos, int) else (eos or []))
+    return tuple(sorted(stops))
+
+
+def in_batches(prompts: Sequence, size: int, run: Callable[[Sequence], list]) -> Iterator[tuple]:
+    """``(prompt, sample)`` for a window handed to ``run`` ``size`` prompts at a time, in window order
+    (a server engine's scheduler batches each group's requests itself)."""
+    for i in range(0, len(prompts), size):
+        batch = prompts[i : i + size]
+        yield from zip(batch, run(batch))

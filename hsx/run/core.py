@@ -1,0 +1,304 @@
+"""The stream every run is made of: dataset rows -> rendered prompts -> engine -> aligned records.
+
+``hsx extract`` (:mod:`hsx.run.pipeline`), a Ray worker (:mod:`hsx.run.scale`) and the online feed
+(:mod:`hsx.run.feed`) all drive :func:`results`; they differ only in where its items go (a shard sink
+through :func:`write_results`, or a training loop). Nothing here writes a file.
+
+:func:`results` yields, in the order the run produces them:
+
+* :class:`~hsx.shards.writer.Record`: a finished sample, its rows in the stored dtype;
+* :class:`Failure`: a row with no sample (bad input, a repeated id, a sample the engine gave up on);
+* :class:`Resumed`: rows skipped because the output already holds them.
+
+Every source row ends as exactly one Record, Failure or count in a Resumed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from hsx.config import ExtractConfig
+from hsx.errors import SampleError
+from hsx.shards.format import build_metadata, config_sha256
+from hsx.shards.positions import sample_positions
+from hsx.shards.writer import Record
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A source row that gives no sample, and why (stored as an error record by ``extract``)."""
+
+    sample_id: str
+    source_index: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """``count`` rows the output already holds (written or recorded as errors): not run again."""
+
+    count: int
+
+
+@dataclass
+class RunSummary:
+    output: str
+    samples: int = 0  # written by this run
+    resumed: int = 0  # already in the output (written or recorded as errors) and skipped
+    errors: int = 0  # error records made by this run (bad input, or a sample the engine gave up on)
+    tokens: int = 0
+    completion_tokens: int = 0
+    rows: int = 0
+    no_rows: int = 0  # samples stored with no rows: --keep kept none of their positions (a chat with no assistant turn)
+    verify_steps: int = 0
+    accepted: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    workers: int = 0  # Ray workers (0: this process ran the engine)
+    retried: int = 0  # units sent to another worker after theirs was lost
+    writer_blocked_s: float = 0.0  # the engine's thread waited this long for the shard writer (backpressure)
+    writer_busy_s: float = 0.0  # the shard writer's thread spent this long encoding and writing
+
+    def count(self, record: Record) -> None:
+        completion = record.input_ids.numel() - record.prompt_len
+        self.samples += 1
+        self.tokens += record.input_ids.numel()
+        self.completion_tokens += completion
+        self.rows += record.num_rows  # stored rows (--keep may store fewer than the engine produced)
+        self.no_rows += record.num_rows == 0
+        if record.accept_lens is not None:
+            self.verify_steps += record.accept_lens.numel()
+            self.accepted += int(record.accept_lens.sum())
+        elif record.verify_steps:  # count only: every completion token after the first came from a step
+            self.verify_steps += record.verify_steps
+            self.accepted += completion - 1
+
+    def add(self, item) -> None:
+        """Count one item of :func:`results`."""
+        if isinstance(item, Record):
+            self.count(item)
+        elif isinstance(item, Failure):
+            self.errors += 1
+        else:
+            self.resumed += item.count
+
+    @property
+    def mean_accept_len(self) -> float | None:
+        return self.accepted / self.verify_steps if self.verify_steps else None
+
+
+class Progress:
+    """A run's progress bar: source rows done, tokens per second (from the bar's start: after the
+    model has loaded), errors."""
+
+    def __init__(self, total: int, summary: RunSummary, enabled: bool = True):
+        self.bar = tqdm(total=total, unit="sample", disable=not enabled, dynamic_ncols=True)
+        self.summary, self.t0 = summary, time.perf_counter()
+
+    def update(self, item) -> None:
+        """Count one item of :func:`results` (a :class:`Resumed` counts its rows)."""
+        s = self.summary
+        # the postfix goes first: update() draws it (one set after the draw shows a sample late)
+        self.bar.set_postfix(tok_s=f"{s.tokens / max(time.perf_counter() - self.t0, 1e-9):,.0f}", errors=s.errors,
+                             refresh=False)
+        self.bar.update(item.count if isinstance(item, Resumed) else 1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def open_rows(cfg: ExtractConfig):
+    """The dataset rows a run covers (the first ``cfg.limit``) and the description of the whole split."""
+    from hsx.data.load import describe, load_rows
+
+    rows_all = load_rows(cfg.dataset, cfg.split)
+    dataset_meta = describe(rows_all, cfg.dataset, cfg.split)  # before --limit: a resume may change it
+    rows = rows_all.select(range(min(cfg.limit, len(rows_all)))) if cfg.limit is not None else rows_all
+    return rows, dataset_meta
+
+
+def make_renderer(cfg: ExtractConfig, engine, column_names) -> tuple:
+    """The renderer for ``cfg`` over a dataset with these columns, and the chat template text (or None)."""
+    from hsx.data.render import Renderer
+
+    chat_template = Path(cfg.chat_template).read_text() if cfg.chat_template else None
+    renderer = Renderer(
+        engine.tokenizer, cfg.mode, text_field=cfg.text_field, id_field=cfg.id_field,
+        chat_template=chat_template, max_length=cfg.max_length or engine.context_length, split=cfg.split,
+    )
+    renderer.detect(column_names)
+    return renderer, chat_template
+
+
+def _sha(text: str | None) -> str | None:
+    return None if text is None else hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def resolved_path(given: str) -> str | None:
+    """The absolute path of a local model directory (readers find it from any folder), None for a hub id."""
+    path = Path(given).expanduser()
+    return str(path.resolve()) if path.is_dir() else None
+
+
+def _describe_model(path: str, model_config, shape) -> dict:
+    return {
+        "path": path,
+        "resolved_path": resolved_path(path),
+        "model_type": getattr(model_config, "model_type", None),
+        "config_sha256": config_sha256(model_config),
+        "revision": getattr(model_config, "_commit_hash", None),
+        "num_layers": shape.num_layers,
+        "hidden_size": shape.hidden_size,
+        "hc_mult": shape.hc_mult,
+    }
+
+
+def _describe_tokenizer(cfg: ExtractConfig, tokenizer, chat_template: str | None) -> dict:
+    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+    return {
+        "path": cfg.model,
+        "resolved_path": resolved_path(cfg.model),
+        "class": type(tokenizer).__name__,
+        "vocab_size": len(tokenizer),
+        "chat_template_sha256": _sha(template if isinstance(template, str) else json.dumps(template, sort_keys=True) if template else None),
+        "chat_template_source": "file " + cfg.chat_template if cfg.chat_template else "tokenizer",
+    }
+
+
+def run_metadata(cfg: ExtractConfig, engine, chat_template: str | None, dataset_meta: dict) -> dict:
+    """What the run's shards say about themselves (:func:`hsx.shards.format.build_metadata`)."""
+    sampling = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed}
+    return build_metadata(
+        layers=[g.describe() for g in engine.groups],
+        dtype=cfg.dtype,
+        mode=cfg.mode,
+        model=_describe_model(cfg.model, engine.model_config, engine.shape),
+        tokenizer=_describe_tokenizer(cfg, engine.tokenizer, chat_template),
+        engine=engine.describe(),
+        speculative=engine.describe_speculative(),
+        dataset=dataset_meta,
+        keep=cfg.keep,
+        codec=cfg.compression,
+        sampling=sampling if cfg.mode == "generate" else None,
+        config_hash=cfg.fingerprint(),
+    )
+
+
+def pending_prompts(rows: Iterable, renderer, done: set[str]) -> Iterator:
+    """``(prompt, done)`` for the rendered rows of ``(index, row)`` pairs, ``done`` when the output
+    already holds the sample; bad rows and repeated ids become :class:`Failure` instead."""
+    seen: set[str] = set()
+    for index, row in rows:
+        try:
+            p = renderer.render(row, index)
+        except SampleError as e:
+            yield Resumed(1) if e.sample_id in done else Failure(e.sample_id, index, e.reason)
+            continue
+        if p.sample_id in seen:
+            yield Resumed(1) if p.sample_id in done else \
+                Failure(p.sample_id, index, f"duplicate sample id {p.sample_id!r} (also at an earlier row)")
+            continue
+        seen.add(p.sample_id)
+        yield p, p.sample_id in done
+
+
+def windows(items: Iterator, size: int) -> Iterator:
+    """Lists of the ``(prompt, done)`` pairs whose source rows share a window ``[k * size, (k + 1) * size)``;
+    the other items (failures, resumed counts) are passed on as they come.
+
+    A window never depends on which rows were skipped or where a work unit starts, so the engine
+    schedules the same requests together for a sample in a fresh run, a resumed one, a Ray
+    worker's unit and the online feed: which requests share a forward changes the bits of the rows.
+    """
+    window, key = [], None
+    for item in items:
+        if not isinstance(item, tuple):
+            yield item
+            continue
+        k = item[0].source_index // size
+        if window and k != key:
+            yield window
+            window = []
+        window.append(item)
+        key = k
+    if window:
+        yield window
+
+
+def make_record(prompt, sample, mode: str, keep: str) -> Record:
+    """The record of one engine sample: the prompt's loss mask (generate: every generated token
+    learned) and the rows of the positions ``keep`` names."""
+    loss_mask = torch.tensor(prompt.loss_mask, dtype=torch.uint8)
+    if mode == "generate":  # the renderer masks the prompt; every generated token is learned
+        completion = sample.input_ids.numel() - sample.prompt_len
+        loss_mask = torch.cat([loss_mask, torch.ones(completion, dtype=torch.uint8)])
+    hidden = sample.hidden
+    if keep != "all":  # rows of the other positions are dropped here, by the rule readers apply again
+        sample.wait()  # (on CUDA the host copies may still be in flight)
+        pos = torch.from_numpy(sample_positions(keep, mode, sample.input_ids.numel(), sample.prompt_len, loss_mask.numpy()))
+        hidden = {name: h[pos] for name, h in hidden.items()}
+    return Record(prompt.sample_id, prompt.source_index, sample.input_ids, sample.prompt_len, loss_mask,
+                  sample.finish_reason, hidden, sample.accept_lens, sample.verify_steps, ready=sample.ready)
+
+
+def results(engine, rows: Iterable, renderer, cfg: ExtractConfig, done: set[str] = frozenset(),
+            ordered: bool = True) -> Iterator:
+    """Records, failures and resumed counts for ``(index, row)`` pairs, one window of
+    ``cfg.window_rows`` source rows at a time (see the module docstring).
+
+    The engine schedules a window as it likes (length order, continuous batching) and hands back
+    each result as it finishes; ``ordered`` puts a window's results back in source order (holding
+    at most one window's finished samples), so that shards list their samples in dataset order. A
+    window whose samples are all in ``done`` is skipped; one that is only partly there (a run
+    stopped inside it) is run whole again and the samples already written are dropped, so every
+    row has the bits a fresh run gives.
+    """
+    for window in windows(pending_prompts(rows, renderer, done), cfg.window_rows):
+        if not isinstance(window, list):
+            yield window
+            continue
+        written = {p.sample_id for p, is_done in window if is_done}
+        yield Resumed(len(written))
+        if len(written) == len(window):
+            continue
+        prompts = [p for p, _ in window]
+        finished = engine.stream(prompts)
+        for prompt, sample in (in_window_order(finished, prompts) if ordered else finished):
+            if prompt.sample_id in written:
+                continue
+            if isinstance(sample, SampleError):  # an engine may give up on one sample and go on
+                yield Failure(prompt.sample_id, prompt.source_index, sample.reason)
+            else:
+                yield make_record(prompt, sample, cfg.mode, cfg.keep)
+
+
+def in_window_order(finished: Iterable[tuple], prompts: list) -> Iterator[tuple]:
+    """``(prompt, result)`` pairs in any order -> the order of ``prompts``, each pair held until every
+    earlier prompt's has come (an engine hands back each prompt of a window exactly once)."""
+    held, at = {}, 0
+    for prompt, result in finished:
+        held[prompt.source_index] = (prompt, result)
+        while at < len(prompts) and prompts[at].source_index in held:
+            yield held.pop(prompts[at].source_index)
+            at += 1
+    yield from (held[k] for k in sorted(held))
+
+
+def write_results(items, sink, summary: RunSummary, after=lambda item: None) -> None:
+    """Put the items of :func:`hsx.run.core.results` into ``sink`` (records as samples, failures as error
+    records) and count them in ``summary``; ``after(item)`` is called for each."""
+    for item in items:
+        if isinstance(item, Record):
+            sink.add(item)
+        elif isinstance(item, Failure):
+            sink.add_error(item.sample_id, item.source_index, item.reason)
+        summary.add(item)
+        after(item)

@@ -1,0 +1,3 @@
+"""The package version, recorded in every shard's metadata (``hsx_version``)."""
+
+__version__ = "0.1.0"

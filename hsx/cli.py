@@ -246,7 +246,7 @@ def extract(
         with sigterm_interrupts():  # a scheduler's SIGTERM stops the run as Ctrl-C does
             from hsx.run.preflight import check_extract
 
-            check_extract(cfg, overwrite)  # before torch is imported: a mistake costs a second, not a model load
+            cfg = check_extract(cfg, overwrite)  # before torch is imported: a mistake costs a second, not a model load
             from hsx.run.pipeline import extract as run_extract
 
             summary = run_extract(cfg, overwrite=overwrite, progress=not quiet, checked=True)

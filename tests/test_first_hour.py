@@ -251,7 +251,7 @@ def test_a_changed_dataset_refusal_names_the_metadata_fields(model_dir, tmp_path
 
 
 def test_differences_lists_leaf_fields_and_shortens_long_values():
-    from hsx.run.pipeline import differences
+    from hsx.config import differences
 
     old = {"a": 1, "b": {"c": "x" * 100, "d": 2}, "same": [1, 2]}
     new = {"a": 2, "b": {"c": "y" * 100, "d": 2}, "same": [1, 2], "e": None}

@@ -10,7 +10,7 @@ but entry L is ``final`` (post-norm); boundary L is only reachable with a hook o
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 from hsx.errors import HsxError

@@ -59,15 +59,16 @@ def source_manifest(source: str) -> Manifest:
     return m
 
 
-def adopt_source(cfg: ExtractConfig) -> ExtractConfig:
+def adopt_source(cfg: ExtractConfig, source_meta: dict | None = None) -> ExtractConfig:
     """``cfg`` for a run over the hsx output ``cfg.dataset``: its ``mode``, ``keep`` and sampling fields
     (and ``model``, when none is given) are the source's. A field left at its default takes the
-    source's value; any other value must equal it. Any other dataset: ``cfg`` as it is."""
+    source's value; any other value must equal it. Any other dataset: ``cfg`` as it is.
+    ``source_meta``: the source's metadata when the caller has read it already."""
     if not is_hsx_output(cfg.dataset):
         return cfg
     if cfg.output and Path(cfg.output).expanduser().resolve() == Path(cfg.dataset).expanduser().resolve():
         raise HsxError(f"--output {cfg.output} is the hsx output read as --dataset: write the new output elsewhere")
-    meta = source_manifest(cfg.dataset).metadata
+    meta = source_manifest(cfg.dataset).metadata if source_meta is None else source_meta
     default = ExtractConfig()
     given = [f"--{name.replace('_', '-')} {getattr(cfg, name)!r}" for name in NOT_APPLICABLE
              if getattr(cfg, name) != getattr(default, name)]

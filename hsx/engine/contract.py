@@ -88,6 +88,24 @@ def stop_token_ids(model_path: str, tokenizer, generation_config=None) -> tuple[
     return tuple(sorted(stops))
 
 
+def load_configs(cfg: ExtractConfig) -> tuple:
+    """For an engine that loads the weights itself: the target's tokenizer and config, and the draft's
+    config (or ``None``), refused as one error naming both models when any cannot be read."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from hsx.errors import HsxError
+
+    remote = cfg.trust_remote_code
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=remote)
+        model_config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=remote)
+        draft_config = AutoConfig.from_pretrained(cfg.draft_model, trust_remote_code=remote) if cfg.draft_model else None
+    except (OSError, ValueError) as e:
+        raise HsxError(f"cannot load the config or tokenizer of {cfg.model!r}"
+                       + (f" / draft {cfg.draft_model!r}" if cfg.draft_model else "") + f": {e}") from None
+    return tokenizer, model_config, draft_config
+
+
 def in_batches(prompts: Sequence, size: int, run: Callable[[Sequence], list]) -> Iterator[tuple]:
     """``(prompt, sample)`` for a window handed to ``run`` ``size`` prompts at a time, in window order
     (a server engine's scheduler batches each group's requests itself)."""

@@ -23,7 +23,6 @@ shards (other metadata) is refused rather than mixed.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,12 +33,11 @@ import torch
 from hsx.eagle3.dataset import Eagle3Dataset, check_eagle3_layout, load_draft_config
 from hsx.eagle3.vocab import count_loss_tokens, vocab_mapping
 from hsx.errors import HsxError
-from hsx.export.files import all_finite, atomic_write, inside, own, source_name
+from hsx.export.files import INFO, all_finite, atomic_write, claim, clean_temps, fingerprint, inside, own, source_name, write_json
 from hsx.shards.reader import open_shards
 
 GROUP = 2000  # files per rows_* directory, SpecForge's default --file-group-size
 INDEX = "hsx_index.jsonl"
-INFO = "hsx_export.json"
 VOCAB = Path("vocab_mapping") / "vocab_mapping.pt"
 KEYS = ("input_ids", "loss_mask", "hidden_state", "aux_hidden_state")
 
@@ -78,10 +76,6 @@ def _is_complete(path: Path, want: dict) -> bool:
     return torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["loss_mask"], want["loss_mask"])
 
 
-def _source_fingerprint(metadata: dict) -> str:
-    return hashlib.sha256(json.dumps(metadata, sort_keys=True, default=str).encode()).hexdigest()[:32]
-
-
 def _target_vocab_size(metadata: dict, draft: dict | None, given: int | None) -> tuple[int, str]:
     if given is not None:
         return int(given), "given"
@@ -97,14 +91,6 @@ def _target_vocab_size(metadata: dict, draft: dict | None, given: int | None) ->
         f"cannot tell the target vocabulary size: the shards' model path {path!r} has no readable config.json; "
         "pass a draft config with vocab_size (or target_vocab_size)"
     )
-
-
-def _clean_temps(dst: Path) -> None:
-    for d in [dst, dst / VOCAB.parent, *dst.glob("rows_*")]:
-        if d.is_dir() and not d.is_symlink():
-            for tmp in d.glob(".*.tmp-*"):
-                if tmp.is_file() and not tmp.is_symlink():
-                    tmp.unlink()
 
 
 def export_specforge(src: str | Path, dst: str | Path, *, draft_vocab_size: int | None = None,
@@ -133,23 +119,9 @@ def export_specforge(src: str | Path, dst: str | Path, *, draft_vocab_size: int 
         raise HsxError(f"--draft-vocab-size must be in 1..{vocab_size} (target vocabulary, {vocab_from}), got {draft_vocab_size}")
 
     dst = Path(dst)
-    if dst.is_symlink():
-        raise HsxError(f"{dst} is a symbolic link; give the real directory")
-    dst.mkdir(parents=True, exist_ok=True)
-    fingerprint = _source_fingerprint(meta)
-    info_path = dst / INFO
-    if info_path.exists():
-        try:
-            old = json.loads(info_path.read_text())
-        except json.JSONDecodeError:
-            old = {}
-        if old.get("source_fingerprint") != fingerprint:
-            raise HsxError(f"{dst} holds an export of other shards (source {old.get('source')!r}); export into a new directory")
-    elif any(p.name.startswith("rows_") for p in dst.iterdir()):
-        raise HsxError(f"{dst} holds rows_* directories but no {INFO}: not an hsx export; export into a new directory")
     info = {
         "format": "specforge-offline-eagle3", "writer": "hsx", "complete": False, "source": source_name(src),
-        "source_fingerprint": fingerprint, "config_hash": meta.get("config_hash"), "mode": ds.layout.mode,
+        "source_fingerprint": fingerprint(meta), "config_hash": meta.get("config_hash"), "mode": ds.layout.mode,
         "model": meta.get("model"), "stored_dtype": ds.layout.stored_dtype,
         "aux_boundaries": list(ds.layout.aux_boundaries), "hidden_size": ds.layout.hidden_size,
         "alignment": "row t = state after consuming token t (aux_hidden_state and hidden_state); "
@@ -158,8 +130,9 @@ def export_specforge(src: str | Path, dst: str | Path, *, draft_vocab_size: int 
         "draft_vocab_size": draft_vocab_size, "target_vocab_size": vocab_size, "target_vocab_size_from": vocab_from,
         "files_per_directory": GROUP,
     }
-    atomic_write(info_path, lambda f: f.write(json.dumps(info, indent=1).encode()))
-    _clean_temps(dst)
+    claim(dst, info, lambda d: any(p.name.startswith("rows_") for p in d.iterdir()))
+    for d in [dst, dst / VOCAB.parent, *dst.glob("rows_*")]:
+        clean_temps(d)
 
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     index_lines, written, skipped, replaced, tokens, nbytes = [], 0, 0, 0, 0, 0
@@ -212,5 +185,5 @@ def export_specforge(src: str | Path, dst: str | Path, *, draft_vocab_size: int 
     total = int(counts.sum())
     coverage = float(counts[t2d].sum()) / total if total else 0.0
     info.update(complete=True, samples=len(ds), tokens=tokens, vocab_coverage=coverage)
-    atomic_write(info_path, lambda f: f.write(json.dumps(info, indent=1).encode()))
+    write_json(dst / INFO, info)
     return ExportSummary(str(dst), len(ds), written, skipped, replaced, tokens, nbytes, draft_vocab_size, vocab_size, coverage)

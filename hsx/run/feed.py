@@ -41,9 +41,10 @@ from typing import Iterable, Iterator
 import torch
 
 from hsx.config import ExtractConfig
-from hsx.run.core import Failure, Progress, Resumed, RunSummary, make_renderer, open_rows, results, run_metadata
+from hsx.run.core import Failure, Progress, Resumed, RunSummary, results
 from hsx.errors import HsxError
 from hsx.run.report import libraries_quiet
+from hsx.run.startup import open_rows, start
 from hsx.shards.writer import Record
 
 DEFAULT_AHEAD = 64  # items the engine may run ahead of the consumer
@@ -305,13 +306,10 @@ class _Local:
     """The run's engine in this process, over the rows of ``cfg``."""
 
     def __init__(self, cfg: ExtractConfig, ordered: bool = True):
-        from hsx.engine.registry import build_engine
-
         self.cfg, self.ordered = cfg, ordered
         self.rows, dataset_meta = open_rows(cfg)
-        self.engine = build_engine(cfg)
-        self.renderer, chat_template = make_renderer(cfg, self.engine, self.rows.column_names)
-        self.metadata = run_metadata(cfg, self.engine, chat_template, dataset_meta)
+        run = start(cfg, self.rows.column_names, dataset_meta)
+        self.engine, self.renderer, self.metadata = run.engine, run.renderer, run.metadata
 
     def items(self) -> Iterator[Record | Failure]:
         return (item for item in results(self.engine, enumerate(self.rows), self.renderer, self.cfg, ordered=self.ordered)

@@ -6,18 +6,17 @@ import time
 from pathlib import Path
 
 from hsx.config import ExtractConfig
-from hsx.run.core import Progress, RunSummary, make_renderer, open_rows, results, run_metadata, write_results
-from hsx.data.stored import adopt_source
+from hsx.run.core import Progress, RunSummary, results, write_results
 from hsx.errors import ShardError
-from hsx.config import differences
-from hsx.run.output import check_resume, open_manifest, prepare_output
+from hsx.run.output import open_manifest, prepare_output
 from hsx.run.preflight import check_extract
 from hsx.run.report import libraries_quiet
+from hsx.run.startup import open_rows, start
 from hsx.shards.background import BackgroundSink
 from hsx.storage.lock import output_lock
 from hsx.storage.store import as_path
 
-__all__ = ["RunSummary", "check_resume", "differences", "extract", "make_renderer"]
+__all__ = ["RunSummary", "extract"]
 
 
 def extract(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool = True, checked: bool = False,
@@ -26,8 +25,8 @@ def extract(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool = Tru
 
     The output is locked for the whole run (:class:`~hsx.storage.lock.OutputLock`, or a
     :class:`~hsx.storage.lease.Lease` in an object store).
-    With ``cfg.ray`` the work is spread over Ray workers (:mod:`hsx.run.scale`). ``checked``: the caller
-    has run :func:`hsx.run.preflight.check_extract` on ``cfg`` already. The libraries' own loading bars
+    With ``cfg.ray`` the work is spread over Ray workers (:mod:`hsx.run.scale`). ``checked``: ``cfg`` is what
+    :func:`hsx.run.preflight.check_extract` returned (the checks ran, an hsx source's fields are adopted). The libraries' own loading bars
     and info lines are hidden during the run, as the CLI hides them, unless ``verbose``.
     """
     with libraries_quiet(verbose):
@@ -35,9 +34,8 @@ def extract(cfg: ExtractConfig, *, overwrite: bool = False, progress: bool = Tru
 
 
 def _extract(cfg: ExtractConfig, overwrite: bool, progress: bool, checked: bool) -> RunSummary:
-    cfg = adopt_source(cfg)  # over an hsx output's tokens: its mode, keep and sampling
-    if not checked:  # the CLI runs the checks itself, before torch is imported
-        check_extract(cfg, overwrite)
+    if not checked:  # the CLI runs the checks itself, before torch is imported, and hands over their config
+        cfg = check_extract(cfg, overwrite)  # over an hsx output's tokens: its mode, keep and sampling adopted
     if cfg.ray:
         from hsx.run.scale import extract_ray
 
@@ -48,14 +46,11 @@ def _extract(cfg: ExtractConfig, overwrite: bool, progress: bool, checked: bool)
 
 
 def _extract_here(cfg: ExtractConfig, out: Path, overwrite: bool, progress: bool) -> RunSummary:
-    from hsx.engine.registry import build_engine
-
     resume = prepare_output(out, cfg, overwrite)
     t0 = time.perf_counter()
     rows, dataset_meta = open_rows(cfg)
-    engine = build_engine(cfg)
-    renderer, chat_template = make_renderer(cfg, engine, rows.column_names)
-    manifest = open_manifest(out, cfg, resume, run_metadata(cfg, engine, chat_template, dataset_meta))
+    run = start(cfg, rows.column_names, dataset_meta)
+    manifest = open_manifest(out, cfg, resume, run.metadata)
 
     summary = RunSummary(str(out))
     # shards are encoded and written on a thread of their own, behind a bounded queue
@@ -63,7 +58,7 @@ def _extract_here(cfg: ExtractConfig, out: Path, overwrite: bool, progress: bool
                           max_shard_samples=cfg.max_shard_samples)
     bar = Progress(len(rows), summary, progress)
     try:
-        write_results(results(engine, enumerate(rows), renderer, cfg, manifest.done_ids()), sink, summary, bar.update)
+        write_results(results(run.engine, enumerate(rows), run.renderer, cfg, manifest.done_ids()), sink, summary, bar.update)
         sink.close(complete=True)
     except BaseException:  # Ctrl-C, SIGTERM or an error: everything finished so far becomes durable
         try:

@@ -46,10 +46,11 @@ SCAN_BYTES = 16 << 20  # a JSON(-lines) file is scanned for its columns up to th
 PROBE_TIMEOUT_S = 2.0
 
 
-def check_extract(cfg: ExtractConfig, overwrite: bool = False) -> None:
+def check_extract(cfg: ExtractConfig, overwrite: bool = False) -> ExtractConfig:
     """Refuse, before any weight loads, what the config, the models' ``config.json``, the dataset's
     columns and the output directory already show to be wrong; over an hsx output's tokens, the
-    options that do not apply or differ from that output's (:func:`hsx.data.stored.adopt_source`)."""
+    options that do not apply or differ from that output's (:func:`hsx.data.stored.adopt_source`).
+    Returns the config the run goes on with: the source's fields adopted, validated."""
     cfg = adopt_source(cfg).validate()
     target = model_config(cfg.model, "--model", tokenizer=True)
     draft = model_config(cfg.draft_model, "--draft-model", tokenizer=False) if cfg.draft_model else None
@@ -62,6 +63,7 @@ def check_extract(cfg: ExtractConfig, overwrite: bool = False) -> None:
     check_dataset(cfg)
     check_output(cfg, overwrite)
     check_engine(cfg)  # last: it imports the engine's runner (and torch)
+    return cfg
 
 
 # --------------------------------------------------------------------------- models

@@ -47,7 +47,7 @@ class StoredTokensRunner(Runner):
         self.where, self.mode, self.layers = cfg.dataset, cfg.mode, cfg.layers
         self.source = open_shards(cfg.dataset)
         meta = self.source.metadata
-        _check_adopted(cfg)
+        _check_adopted(cfg, meta)
         shape = _check_model(cfg, meta.get("model") or {})
         # checked before any weight loads, with the columns the engine will make, then again with the ones it made
         self.shared = self._shared(planned_groups(cfg, shape, reading), meta)
@@ -138,9 +138,9 @@ def _as_source(prompt, sample: AlignedSample) -> AlignedSample:
                          prompt.finish_reason, prompt.verify_steps, ready=sample.ready)
 
 
-def _check_adopted(cfg: ExtractConfig) -> None:
+def _check_adopted(cfg: ExtractConfig, source_meta: dict) -> None:
     """``cfg`` must hold the source's mode, keep and sampling fields (``hsx extract`` puts them there)."""
-    adopted = adopt_source(cfg)
+    adopted = adopt_source(cfg, source_meta)
     if adopted != cfg:
         diff = "; ".join(differences(cfg.to_dict(), adopted.to_dict()))
         raise HsxError(f"a run over the hsx output {cfg.dataset} keeps its {diff} (this run -> the source); "

@@ -40,7 +40,6 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -49,9 +48,9 @@ from hsx.align import EAGLE3, FINAL, Collector, LayerGroup, ModelShape, parse_la
 from hsx.config import ExtractConfig
 from hsx.heads.layer_ids import RULE_KEY, SGLANG_READING, HeadLayers, head_marker, resolve_head_layers, sglang_boundaries, sglang_ids_for
 from hsx.engine.sglang.capture import ERROR, PREFILL, CaptureSpec, Column, check_version, discard, read_records
-from hsx.engine.contract import Runner, in_batches, stop_token_ids
+from hsx.engine.contract import Runner, in_batches, load_configs, stop_token_ids
 from hsx.errors import AlignmentError, HsxError, SampleError
-from hsx.shards.format import DTYPE_NAMES, DTYPES, dtype_of
+from hsx.shards.format import DTYPE_NAMES, dtype_of
 
 log = logging.getLogger("hsx")
 MIN_VERSION = "0.5.23"  # spec-V2 verify keeps every request's accepted rows (dropped/misattributed before)
@@ -144,21 +143,12 @@ class SGLangRunner(Runner):
                            "splits long prompts itself: --engine-arg chunked_prefill_size=N")
 
     def __init__(self, cfg: ExtractConfig):
-        from transformers import AutoConfig, AutoTokenizer
-
         self.cfg = cfg
-        remote = cfg.trust_remote_code
         check_checkpoints(cfg)  # SGLang skips weights it has no place for and keeps what it did not find
         self.sglang = import_sglang()
         if cfg.sglang_capture == "tensors":
             check_version(self.sglang.__version__)
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=remote)
-            self.model_config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=remote)
-            draft_config = AutoConfig.from_pretrained(cfg.draft_model, trust_remote_code=remote) if cfg.draft_model else None
-        except (OSError, ValueError) as e:
-            raise HsxError(f"cannot load the config or tokenizer of {cfg.model!r}"
-                           + (f" / draft {cfg.draft_model!r}" if cfg.draft_model else "") + f": {e}") from None
+        self.tokenizer, self.model_config, draft_config = load_configs(cfg)
         self.shape = ModelShape.from_config(self.model_config)
         self.context_length = getattr(self.model_config, "max_position_embeddings", None)
         self._requests = 0

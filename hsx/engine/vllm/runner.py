@@ -35,7 +35,7 @@ from hsx.config import ExtractConfig
 from hsx.heads.layer_ids import (CONVERT_FOR_VLLM, RULE_KEY, VLLM_READING, HeadLayers, eagle3_ids_as_boundaries, head_marker,
                                   resolve_head_layers)
 from hsx.engine.vllm.capture import EXTENSION, TAG, Assembled, assemble, check_version, source_key
-from hsx.engine.contract import Runner, in_batches, stop_token_ids
+from hsx.engine.contract import Runner, in_batches, load_configs, stop_token_ids
 from hsx.errors import AlignmentError, HsxError, SampleError
 from hsx.shards.format import dtype_of
 
@@ -75,22 +75,16 @@ class VLLMRunner(Runner):
     name = "vllm"
     id_reading = VLLM_READING
 
-    def __init__(self, cfg: ExtractConfig):
-        from transformers import AutoConfig, AutoTokenizer
-
-        self.cfg = cfg
+    @classmethod
+    def check_config(cls, cfg: ExtractConfig) -> None:
         if cfg.prefill_chunk is not None:
             raise HsxError(f"--prefill-chunk {cfg.prefill_chunk} applies to --engine hf; vLLM splits long prompts "
                            "itself (--engine-arg max_num_batched_tokens=N)")
-        remote = cfg.trust_remote_code
+
+    def __init__(self, cfg: ExtractConfig):
+        self.cfg = cfg
         self.vllm = import_vllm()
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=remote)
-            self.model_config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=remote)
-            draft_config = AutoConfig.from_pretrained(cfg.draft_model, trust_remote_code=remote) if cfg.draft_model else None
-        except (OSError, ValueError) as e:
-            raise HsxError(f"cannot load the config or tokenizer of {cfg.model!r}"
-                           + (f" / draft {cfg.draft_model!r}" if cfg.draft_model else "") + f": {e}") from None
+        self.tokenizer, self.model_config, draft_config = load_configs(cfg)
         self.shape = ModelShape.from_config(self.model_config)
         self.context_length = getattr(self.model_config, "max_position_embeddings", None)
         self.plan = self._plan(draft_config)

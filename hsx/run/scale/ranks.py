@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Iterator, NamedTuple
 
 from hsx.config import ExtractConfig
-from hsx.run.core import open_rows
+from hsx.run.startup import open_rows
 from hsx.errors import HsxError
 from hsx.run.scale.ray_runner import LOST, connect, dataset_units, describe_workers, start_workers, unit_result
 from hsx.run.scale.worker import decode_item

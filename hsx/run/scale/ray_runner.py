@@ -21,7 +21,8 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from hsx.config import ExtractConfig
-from hsx.run.core import RunSummary, open_rows
+from hsx.run.core import RunSummary
+from hsx.run.startup import open_rows
 from hsx.errors import HsxError
 from hsx.run.output import open_manifest, prepare_output
 from hsx.run.scale.worker import ExtractWorker

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from hsx.config import ExtractConfig
-from hsx.run.core import Failure, Resumed, RunSummary, make_renderer, results, run_metadata, write_results
+from hsx.run.core import Failure, Resumed, RunSummary, results, write_results
+from hsx.run.startup import start
 from hsx.errors import HsxError
 from hsx.shards.background import BackgroundSink
 from hsx.shards.manifest import Manifest
@@ -63,14 +64,11 @@ def unit_shard_name(unit: int, attempt: str, part: int) -> str:
 
 class ExtractWorker:
     def __init__(self, cfg: dict, dataset_meta: dict, column_names: list[str]):
-        from hsx.engine.registry import build_engine
-
         self.cfg = ExtractConfig.from_dict(cfg)
         self.error: str | None = None
         try:
-            self.engine = build_engine(self.cfg)
-            self.renderer, chat_template = make_renderer(self.cfg, self.engine, column_names)
-            self.metadata = run_metadata(self.cfg, self.engine, chat_template, dataset_meta)
+            run = start(self.cfg, column_names, dataset_meta)
+            self.engine, self.renderer, self.metadata = run.engine, run.renderer, run.metadata
         except HsxError as e:  # reported by describe(), so the driver can show the message as it is
             self.error = str(e)
 

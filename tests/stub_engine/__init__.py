@@ -1,0 +1,1 @@
+"""A fourth engine, outside the package: one folder and one registry line (``hsx.engine.registry.register``)."""

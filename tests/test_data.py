@@ -280,11 +280,31 @@ BAD_ROWS = [
     ({"messages": [{"role": "user"}]}, r"\['content'\] missing or null"),
     ({"messages": [USER1, {"role": "assistant", "content": None}]}, r"turn 1: \['content'\] missing"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "unknown role 'robot'"),
-    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "content must be a string, found list"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "turn 0 content part 0: expected a {'type': 'text', 'text': str} part, found a 'text' part without a string"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image", "image": "a.png"}]}]},
+     "turn 0 content part 1: an 'image' part; hsx extracts text and chats only"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///a.png"}}]}]},
+     "turn 0 content part 0: an 'image_url' part"),
+    ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]}, "part 0: .* found a part of type 'audio'"),
+    ({"messages": [{"role": "user", "content": []}]}, "turn 0 content: an empty list of parts"),
+    ({"messages": [{"role": "user", "content": 7}]}, "content must be a string or a list of text parts, found int"),
     ({"conversations": [{"from": "bot", "value": "hi"}]}, "unknown from 'bot'"),
     ({"conversations": [{"role": "user", "content": "hi"}]}, r"\['from', 'value'\] missing"),
     ({"messages": None, "text": None}, "all are missing or null"),
 ]
+
+
+@pytest.mark.parametrize("mode", ["generate", "prefill"])
+def test_text_parts_render_as_their_text_joined_by_newlines(tok, mode):
+    """OpenAI-format chats store text as a list of parts; rendered as vLLM renders them for a string template."""
+    renderer = Renderer(tok, mode, id_field="id")
+    renderer.detect(["id", "messages"])
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hello"}, {"type": "text", "text": "there"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "hi, how can I help?", "image_url": None}]}]
+    plain = [{"role": "user", "content": "hello\nthere"}, {"role": "assistant", "content": "hi, how can I help?"}]
+    got, want = renderer.render({"id": "p", "messages": parts}, 0), renderer.render({"id": "p", "messages": plain}, 0)
+    assert got.input_ids == want.input_ids and got.loss_mask == want.loss_mask
 
 
 @pytest.mark.parametrize("mode", ["generate", "prefill"])

@@ -302,9 +302,36 @@ def _turns(sample_id: str, shape: str, value: Any) -> list[dict[str, str]]:
         accepted = SHAREGPT_ROLES if shape == "conversations" else {r: r for r in ROLES}
         if not isinstance(role, str) or role not in accepted:
             raise SampleError(sample_id, f"{where}: unknown {role_key} {role!r}; expected one of {list(accepted)}")
+        if isinstance(content, (list, tuple)):
+            content = _text_of_parts(sample_id, f"{where} {content_key}", content)
         if not isinstance(content, str):
-            raise SampleError(sample_id, f"{where}: {content_key} must be a string, found {type(content).__name__}")
+            raise SampleError(sample_id, f"{where}: {content_key} must be a string or a list of text parts, "
+                                         f"found {type(content).__name__}")
         if accepted[role] == "user" and not content.strip():
             raise SampleError(sample_id, f"{where}: the user turn is empty or whitespace (nothing to answer)")
         turns.append({"role": accepted[role], "content": content})
     return turns
+
+
+IMAGE_PARTS = ("image", "image_url", "input_image")
+
+
+def _text_of_parts(sample_id: str, where: str, parts) -> str:
+    """A turn's content given as OpenAI-style parts (``{"type": "text", "text": ...}``) -> its text, the
+    parts joined by a newline (as vLLM renders such a list for a template that takes strings)."""
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind in IMAGE_PARTS:
+            raise SampleError(sample_id, f"{where} part {j}: an {kind!r} part; hsx extracts text and chats only "
+                                         "(images need a vision-language target, which the engines do not run yet)")
+        else:
+            found = ("a 'text' part without a string 'text'" if kind == "text" else
+                     f"a part of type {kind!r}" if kind is not None else type(part).__name__)
+            raise SampleError(sample_id, f"{where} part {j}: expected a {{'type': 'text', 'text': str}} part, "
+                                         f"found {found}")
+    if not texts:
+        raise SampleError(sample_id, f"{where}: an empty list of parts")
+    return "\n".join(texts)

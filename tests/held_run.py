@@ -21,14 +21,14 @@ pipeline.prepare_output = prepare_output
 
 # Holds (on the shard writer's thread) once the manifest on disk commits argv[1] shards and is not complete.
 AFTER_SHARDS = _PRELUDE + """
-from hsx.shards import writer
-shards, real = int(sys.argv[1]), writer.ShardSink._save
+from hsx.shards import sink
+shards, real = int(sys.argv[1]), sink.ShardSink._save
 def save(self):
     real(self)
     if self.persist and len(self.manifest.shards) >= shards and not self.manifest.complete:
         print("held", flush=True)
         threading.Event().wait()
-writer.ShardSink._save = save
+sink.ShardSink._save = save
 """ + _MAIN
 
 

@@ -142,7 +142,7 @@ def test_a_failure_in_the_final_commit_is_raised_by_close_and_leaves_the_output_
     sink.commit()
     for r in records[2:]:
         sink.add(r)
-    monkeypatch.setattr("hsx.shards.writer.save_manifest", lambda d, m: (_ for _ in ()).throw(OSError(5, "I/O error")))
+    monkeypatch.setattr("hsx.shards.sink.save_manifest", lambda d, m: (_ for _ in ()).throw(OSError(5, "I/O error")))
     with pytest.raises(ShardError, match="I/O error"):
         sink.close(complete=True)
     assert not sink.manifest.complete

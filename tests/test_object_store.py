@@ -105,20 +105,20 @@ def test_plain_readers_see_committed_shards_only(s3_env):
 def test_a_shard_committed_before_its_copy_is_read_and_published(s3_env, monkeypatch):
     """A crash between the manifest's commit and the copy to the visible name: hsx.open reads the shard
     from its staging name, and the next sink on the output publishes it."""
-    import hsx.shards.writer as writer
+    import hsx.shards.sink as sink_module
 
     meta = make_metadata([8])
     records = random_records(meta, [4, 6], "none", 1)
     out = uri(s3_env, "unpublished")
-    publish = writer.publish
-    monkeypatch.setattr(writer, "publish", lambda directory, shards: None)
+    publish = sink_module.publish
+    monkeypatch.setattr(sink_module, "publish", lambda directory, shards: None)
     sink = ShardSink(out, Manifest(meta))
     for r in records:
         sink.add(r)
     sink.close()
     assert visible_parquet(s3_env, "unpublished") == set()
     assert [s.sample_id for s in hsx.open(out)] == ["s000", "s001"]
-    monkeypatch.setattr(writer, "publish", publish)
+    monkeypatch.setattr(sink_module, "publish", publish)
     ShardSink(out, load_manifest(out)).abort()
     assert visible_parquet(s3_env, "unpublished") == {"shard-00000.parquet"}
     assert [s.sample_id for s in hsx.open(out)] == ["s000", "s001"]
@@ -253,15 +253,15 @@ HOLD_AFTER_COMMIT = """
 import sys
 import hsx.storage.lease as lease
 lease.LEASE_SECONDS = float(sys.argv[1])
-from hsx.shards import writer
-real, held = writer.ShardSink._save, []
+from hsx.shards import sink
+real, held = sink.ShardSink._save, []
 def save(self):
     real(self)
     if self.manifest.shards and not held:
         held.append(1)
         print("held", flush=True)
         sys.stdin.readline()
-writer.ShardSink._save = save
+sink.ShardSink._save = save
 from hsx.cli import main
 sys.argv = ["hsx", *sys.argv[2:]]
 main()

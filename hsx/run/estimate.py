@@ -17,7 +17,7 @@ from hsx.errors import HsxError, SampleError
 from hsx.run.report import size_text
 from hsx.shards import positions
 from hsx.shards.format import row_bytes as stored_row_bytes
-from hsx.shards.writer import DEFAULT_LANES, ROW_GROUP_BYTES
+from hsx.shards.sink import DEFAULT_LANES, ROW_GROUP_BYTES
 
 # Compressed / raw bytes of the hidden columns, per codec, measured on SmolLM2-135M-Instruct states
 # (final,eagle3 in bf16, the demo chats in prefill; scripts/bench_format.py, docs/STORAGE.md).

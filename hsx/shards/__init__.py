@@ -17,7 +17,7 @@ _EXPORTS = {
     "TokenMatrix": "hsx.shards.reader",
     "open_shards": "hsx.shards.reader",
     "Record": "hsx.shards.writer",
-    "ShardSink": "hsx.shards.writer",
+    "ShardSink": "hsx.shards.sink",
     "ShardWriter": "hsx.shards.writer",
 }
 __all__ = list(_EXPORTS)

@@ -1,4 +1,4 @@
-"""A :class:`~hsx.shards.writer.ShardSink` run on one writer thread, so that encoding, writing and
+"""A :class:`~hsx.shards.sink.ShardSink` run on one writer thread, so that encoding, writing and
 fsyncing shards overlap with the engine instead of stalling it.
 
 Every call becomes an operation on a queue that the writer thread executes in order on a real
@@ -18,7 +18,8 @@ from typing import Callable
 
 from hsx.errors import ShardError
 from hsx.shards.manifest import Manifest
-from hsx.shards.writer import DEFAULT_LANES, Record, ShardSink
+from hsx.shards.sink import DEFAULT_LANES, ShardSink
+from hsx.shards.writer import Record
 
 
 @dataclass

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import typer
@@ -110,6 +111,46 @@ def test_a_config_refusal_names_the_options_that_differ(model_dir, tmp_path):
     assert "max_new_tokens: 3 -> 5" in msg and "layers: 'final' -> 'final,1'" in msg, msg
     assert "batch_size" not in msg and "dataset" not in msg  # layout-only and unchanged fields are not listed
     assert "--overwrite" in msg
+
+
+# --------------------------------------------------------------------------- a folder holding a user's files
+
+def users_folder(path: Path) -> Path:
+    path.mkdir()
+    (path / "notes.txt").write_text("my notes")
+    pd.DataFrame({"x": [1, 2]}).to_parquet(path / "data.parquet")
+    return path
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_folder_holding_a_users_files_is_refused_and_left_as_it_was(model_dir, tmp_path, monkeypatch, capsys,
+                                                                      overwrite):
+    data, out = write_rows(tmp_path / "data.jsonl", ROWS), users_folder(tmp_path / "out")
+    args = extract_args(model_dir, data, out, *(["--overwrite"] if overwrite else []))
+    code, err = run_main(monkeypatch, capsys, args)
+    assert code == 2 and "2 file(s) or folder(s) hsx did not write (data.parquet, notes.txt)" in err, err
+    assert "move them out or choose another --output" in err and "use --overwrite" not in err, err
+    assert ("never deletes other files" in err) == overwrite, err
+    assert sorted(p.name for p in out.iterdir()) == ["data.parquet", "notes.txt"]  # nothing written, nothing deleted
+    from hsx.run.output import prepare_output  # the run refuses it too, past the pre-flight check
+
+    with pytest.raises(HsxError, match="hsx did not write"):
+        prepare_output(out, hsx.ExtractConfig(model=model_dir, dataset=str(data), output=str(out)), overwrite)
+
+
+def test_a_users_file_beside_shards_is_named_by_verify_and_blocks_a_resume(model_dir, tmp_path, monkeypatch, capsys):
+    data, out = write_rows(tmp_path / "data.jsonl", ROWS), tmp_path / "out"
+    assert CliRunner().invoke(app, extract_args(model_dir, data, out)).exit_code == 0
+    assert len(pd.read_parquet(out)) == 3  # the output is a Parquet dataset for pandas
+    (out / "notes.txt").write_text("my notes")
+    report = CliRunner().invoke(app, ["verify", str(out)])
+    line = next(ln for ln in report.output.splitlines() if "notes.txt" in ln)
+    assert "not written by hsx" in line and "move it out" in line and "interrupted" not in line, report.output
+    with pytest.raises(Exception, match="notes.txt"):  # what the line says pandas does
+        pd.read_parquet(out)
+    code, err = run_main(monkeypatch, capsys, extract_args(model_dir, data, out, "--overwrite"))
+    assert code == 2 and "(notes.txt)" in err, err
+    assert (out / "notes.txt").read_text() == "my notes"
 
 
 # --------------------------------------------------------------------------- inspect

@@ -147,7 +147,9 @@ def format_verify(r) -> str:
         for f in s.faults:
             lines.append(f"           - {f}")
     for name in r.ignored:
-        lines.append(f"  ignored  {name} (not in the manifest: a leftover of an interrupted write; readers skip it)")
+        lines.append(f"  ignored  {name} ({_why_ignored(name, name in r.foreign)})")
+    for name in sorted(set(r.foreign) - set(r.ignored)):
+        lines.append(f"  ignored  {name}/ ({_why_ignored(name, True)})")
     if r.errors:
         lines.append(f"  note   {r.errors} sample(s) recorded as input errors (see the manifest's 'errors')")
     if r.complete is False:
@@ -156,6 +158,18 @@ def format_verify(r) -> str:
     bad = sum(1 for s in r.shards if s.faults) + (1 if r.faults else 0)
     lines.append("verify: OK" if r.ok else f"verify: FAILED ({bad} shard(s) or manifest with faults)")
     return "\n".join(lines)
+
+
+def _why_ignored(name: str, foreign: bool) -> str:
+    """Why a file the manifest does not name is there, and who reads it: hsx readers skip it; pandas,
+    pyarrow and datasets skip hidden names only."""
+    if name.startswith("."):
+        return "hidden, not in the manifest: a leftover of an interrupted write or another tool's; every reader skips it"
+    if foreign:
+        return ("not written by hsx: hsx.open skips it, but pandas, pyarrow and datasets read every visible file of the "
+                "directory and fail on it or read it as rows; move it out")
+    return ("a shard the manifest does not commit: hsx.open skips it, but pandas, pyarrow and datasets would read its "
+            "rows as well; move it out")
 
 
 def format_interrupted(output: str, by: str | None = None) -> str:

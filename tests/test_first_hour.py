@@ -153,6 +153,32 @@ def test_a_users_file_beside_shards_is_named_by_verify_and_blocks_a_resume(model
     assert (out / "notes.txt").read_text() == "my notes"
 
 
+# --------------------------------------------------------------------------- --dry-run
+
+def test_dry_run_names_each_would_be_error_record_with_the_runs_reason(model_dir, tmp_path):
+    rows = ROWS + [{"id": "empty", "text": "   "}, {"id": "long", "text": "word " * 80}]
+    data, out = write_rows(tmp_path / "data.jsonl", rows), tmp_path / "out"
+    args = extract_args(model_dir, data, out, "--max-length", "40")
+    dry = CliRunner().invoke(app, [*args, "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert "samples  3 (2 would be error records)" in dry.output, dry.output
+    assert CliRunner().invoke(app, args).exit_code == 0
+    from hsx.shards.verify import inspect as inspect_shards
+
+    recorded = inspect_shards(str(out))["error_records"]
+    assert sorted(e["sample_id"] for e in recorded) == ["empty", "long"]
+    for e in recorded:  # the run's own reason, on the dry run's line for that sample
+        assert f"error  {e['sample_id']}  (source row {e['source_index']}): {e['reason']}" in dry.output, dry.output
+
+
+def test_the_summary_says_where_the_shards_are():
+    from hsx.run.core import RunSummary
+    from hsx.run.report import format_run
+
+    assert "shards in the object store: 2.0 MB" in format_run(RunSummary("s3://bucket/prefix", bytes=2_000_000))
+    assert "shards on disk: 2.0 MB" in format_run(RunSummary("/data/out", bytes=2_000_000))
+
+
 # --------------------------------------------------------------------------- inspect
 
 def test_inspect_of_a_missing_path_is_a_clean_error(tmp_path, monkeypatch, capsys):

@@ -7,6 +7,8 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
+from hsx.storage.store import is_remote
+
 # The libraries' own bars and info lines (weights loading, dataset conversion, Ray's start-up),
 # silenced unless the user set these variables or asked for -v: hsx prints one bar and one summary.
 LIBRARY_QUIET = {
@@ -195,7 +197,7 @@ def format_run(s) -> str:
     lines = [
         f"wrote {s.samples:,} samples ({s.tokens:,} tokens, {s.completion_tokens:,} generated, {s.rows:,} rows per column) "
         f"to {s.output} in {s.seconds:.1f} s, start-up included ({rate:,.0f} tokens/s)",
-        f"  shards on disk: {size_text(s.bytes)} in total",
+        f"  shards {'in the object store' if is_remote(s.output) else 'on disk'}: {size_text(s.bytes)} in total",
     ]
     if not s.workers:  # under --ray each worker has its own writer
         lines.append(f"  shard writer: the engine waited {s.writer_blocked_s:.2f} s on it (its threads busy {s.writer_busy_s:.1f} s)")

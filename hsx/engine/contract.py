@@ -68,6 +68,13 @@ class Runner(abc.ABC):
     def stream(self, prompts: Sequence) -> Iterator[tuple]:
         """``(prompt, AlignedSample | SampleError)`` for each prompt of a window, as each finishes."""
 
+    def watch_tokens(self, callback: Callable[..., None]) -> None:
+        """Have ``callback(queued=, prompt=, generated=, budget=)`` told of tokens as forwards finish:
+        prompt tokens a window brings (``queued``) and its completion budget (``budget``, generate
+        mode; a request that stops early gives the unused part back as a negative ``budget``),
+        prompt tokens prefilled (``prompt``) and tokens generated (``generated``). An engine that
+        cannot see its forwards ignores it (the default): progress then moves per finished sample."""
+
 
 def stop_token_ids(model_path: str, tokenizer, generation_config=None) -> tuple[int, ...]:
     """The ids that end a completion: the eos ids of the model's generation config and of its tokenizer.

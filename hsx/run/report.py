@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -19,6 +21,8 @@ LIBRARY_QUIET = {
     "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
     "RAY_LOGGER_LEVEL": "error",
     "RAY_DEDUP_LOGS": "1",
+    "VLLM_LOGGING_LEVEL": "ERROR",  # vLLM's info lines and warnings (and the weights' loading bar: the vllm runner)
+    "TORCH_CPP_LOG_LEVEL": "ERROR",  # torch's C++ warnings (vLLM's CPU worker: "NUMA binding ...")
 }
 
 
@@ -35,10 +39,12 @@ def libraries_quiet(verbose: bool = False):
 
     env = {k: os.environ.get(k) for k in LIBRARY_QUIET}
     saved = (hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity(),
-             not datasets.are_progress_bars_disabled(), datasets.logging.get_verbosity())
-    quiet_libraries()
+             not datasets.are_progress_bars_disabled(), datasets.logging.get_verbosity(),
+             logging.getLogger("vllm").level)
     try:
-        yield
+        with warnings.catch_warnings():
+            quiet_libraries()
+            yield
     finally:
         for k, v in env.items():
             if v is None:
@@ -51,6 +57,7 @@ def libraries_quiet(verbose: bool = False):
         if saved[2]:
             datasets.enable_progress_bars()
         datasets.logging.set_verbosity(saved[3])
+        logging.getLogger("vllm").setLevel(saved[4])
 
 
 def quiet_libraries(verbose: bool = False) -> None:
@@ -61,6 +68,9 @@ def quiet_libraries(verbose: bool = False) -> None:
         return
     for key, value in LIBRARY_QUIET.items():
         os.environ.setdefault(key, value)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # deprecations inside the libraries, not the user's to fix
+    # vLLM logs a few lines while it is imported, before it applies VLLM_LOGGING_LEVEL to its loggers
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
     if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 

@@ -179,6 +179,28 @@ def test_the_summary_says_where_the_shards_are():
     assert "shards on disk: 2.0 MB" in format_run(RunSummary("/data/out", bytes=2_000_000))
 
 
+# --------------------------------------------------------------------------- the docs reach every page
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def test_the_docs_index_names_every_page():
+    index = (DOCS / "README.md").read_text()
+    listed = set(re.findall(r"^\| \[([A-Z0-9_]+\.md)\]\(\1\) \|", index, re.M))
+    pages = {p.name for p in DOCS.glob("*.md")} - {"README.md"}
+    assert pages - listed == set(), f"pages missing from docs/README.md's index: {sorted(pages - listed)}"
+    assert listed - pages == set(), f"the index names pages that do not exist: {sorted(listed - pages)}"
+
+
+def test_the_ranks_run_toml_in_stream_md_is_a_valid_config(tmp_path):
+    text = (DOCS / "STREAM.md").read_text()
+    block = re.search(r"A `run.toml` for ranks.*?```toml\n(.*?)```", text, re.S).group(1)
+    (tmp_path / "run.toml").write_text(block)
+    cfg = hsx.ExtractConfig.from_file(tmp_path / "run.toml")
+    assert cfg.ray and cfg.ray_address is None and cfg.num_workers == 2 and cfg.cpus_per_worker == 0.5
+    assert cfg.layers == "final,eagle3" and cfg.mode == "prefill"
+
+
 # --------------------------------------------------------------------------- inspect
 
 def test_inspect_of_a_missing_path_is_a_clean_error(tmp_path, monkeypatch, capsys):

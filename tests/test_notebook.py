@@ -91,6 +91,8 @@ def test_notebook_executes_on_fresh_shards(demo_shards, tmp_path, monkeypatch):
     client.execute()  # raises CellExecutionError naming the failing cell
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
+    warned = [o.get("text", "") for o in outputs if o.get("name") == "stderr"]
+    assert not warned, warned  # no warning of a library (tqdm's IProgress notice, ...) in a cell
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "ShardDataset(16 samples, 3 shards" in text
     assert "tokenizer: not found" not in text  # the run's tokenizer directory was found
@@ -165,6 +167,8 @@ def test_notebook_reads_an_output_in_an_object_store(demo_shards, tmp_path, monk
         server.stop()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
+    warned = [o.get("text", "") for o in outputs if o.get("name") == "stderr"]
+    assert not warned, warned  # no warning of a library (tqdm's IProgress notice, ...) in a cell
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert "ShardDataset(16 samples, 3 shards" in text and "next token starts a new word" in text
     assert "tokenizer: not found" not in text  # found through the run's recorded (resolved) path

@@ -144,6 +144,8 @@ def ranks_main(scenario: str, run_file: str, out_dir: str, vocab: int) -> None:
             result["losses"], result["left_over"] = losses, len(batch)
             if rank == 0:
                 result["stats"] = feed.source.stats()
+        elif scenario == "standalone":  # no Ray named or running: rank 0 starts its own
+            write_items(out, f"rank{rank}-pass0", list(feed))
         elif scenario.startswith("stop-then-kill-"):
             victim = int(scenario.rsplit("-", 1)[1])
             got = 0
@@ -239,10 +241,10 @@ def cluster():
 
 
 def torchrun(setup, address: str, scenario: str, out: Path, monitor_interval: float = 0.5,
-             cfg: ExtractConfig | None = None) -> subprocess.Popen:
+             cfg: ExtractConfig | None = None, env: dict | None = None) -> subprocess.Popen:
     run_file = out / "run.json"
     run_file.write_text(json.dumps((cfg or shared(setup, address)).to_dict()))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts",
            "0", "--monitor-interval", str(monitor_interval), __file__, scenario, str(run_file), str(out),
            str(setup["vocab"])]
@@ -503,3 +505,103 @@ def test_ranks_without_ray_or_out_of_order_are_refused(setup):
         hsx.stream(shared(setup, "auto"), rank=0, world_size=2, ordered=False)
     with pytest.raises(HsxError, match="remainder must be one of"):
         hsx.stream(config(setup), remainder="even")
+
+
+# --- joining Ray: no cluster running, and a cluster that checks tokens
+
+def fresh_trainer_env(tmp_path: Path) -> dict:
+    """A trainer's environment on a machine where no Ray runs: its own Ray temporary directory (so
+    ``auto`` finds no other cluster of this machine), its own home (no ``~/.ray/auth_token`` yet), no
+    Ray address or authentication mode inherited from this test process."""
+    ray_tmp = Path(f"/tmp/hsxr-{os.getpid()}-{tmp_path.name[-12:]}")  # short: Ray's socket paths have a length limit
+    ray_tmp.mkdir(exist_ok=True)
+    (tmp_path / "home").mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN")}
+    return {**env, "RAY_TMPDIR": str(ray_tmp), "TMPDIR": str(ray_tmp), "HOME": str(tmp_path / "home")}
+
+
+def ray_processes_under(ray_tmp: str) -> list[int]:
+    """Pids of processes whose command line names ``ray_tmp`` (a cluster's raylet, GCS and helpers)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and ray_tmp.encode() in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+@pytest.mark.slow
+def test_standalone_ranks_need_no_running_ray(setup, shards, tmp_path):
+    env = fresh_trainer_env(tmp_path)
+    cfg = shared(setup, None)  # no ray_address, no RAY_ADDRESS, nothing running: rank 0 starts a local Ray
+    run_to_end(torchrun(setup, None, "standalone", tmp_path, cfg=cfg, env=env), tmp_path)
+    offline = list(shards)
+    records = [[i for i in read_items(tmp_path, f"rank{r}-pass0") if i.kind == "record"] for r in range(2)]
+    assert [len(r) for r in records] == [23, 22]
+    for r in range(2):
+        for k, got in enumerate(records[r]):
+            assert_same(got, offline[r + 2 * k])
+    time.sleep(2)  # the owner's ray.shutdown() has returned; give its processes a moment to go
+    assert ray_processes_under(env["RAY_TMPDIR"]) == []  # rank 0 stopped the cluster it started
+    assert not list(Path(env["RAY_TMPDIR"]).glob("*.ray-address.json"))  # and took back its address
+
+
+NO_CLUSTER_PROGRAM = """
+import sys
+from hsx.config import ExtractConfig
+from hsx.errors import HsxError
+from hsx.run.scale.ranks import RankSource
+cfg = ExtractConfig(model="m", dataset="d", output="", ray=True)
+try:
+    RankSource(cfg, rank=int(sys.argv[1]), world=2)
+except HsxError as e:
+    print(e)
+"""
+
+
+def test_ranks_on_several_machines_with_no_cluster_are_told_how_to_start_one(tmp_path):
+    env = fresh_trainer_env(tmp_path)
+    env.pop("LOCAL_WORLD_SIZE", None)  # a launcher that does not say every rank is on this machine
+    said = subprocess.run([sys.executable, "-c", NO_CLUSTER_PROGRAM, "1"], env=env, capture_output=True, text=True,
+                          timeout=HANG_GUARD).stdout
+    assert "no running Ray cluster was found" in said and "ray start --head --port 6379" in said, said
+    assert 'ray_address = "HEAD_IP:6379"' in said and "RAY_ADDRESS" in said, said
+    assert "--standalone" in said or "one machine need none" in said, said
+
+
+TOKEN_CLUSTER_PROGRAM = """
+import sys, time, ray
+ray.init(address="local", num_cpus=1, include_dashboard=False)  # Ray 2.60: token authentication on by default
+print(ray.get_runtime_context().gcs_address, flush=True)
+time.sleep(600)
+"""
+
+JOIN_PROGRAM = """
+import sys, ray
+from hsx.config import ExtractConfig
+from hsx.errors import HsxError
+from hsx.run.scale.ray_runner import connect
+try:
+    connect(ExtractConfig(model="m", dataset="d", output="", ray=True, ray_address=sys.argv[1]))
+    print("joined", ray.cluster_resources().get("CPU"))
+except HsxError as e:
+    print(e)
+"""
+
+
+@pytest.mark.slow
+def test_a_cluster_checking_tokens_is_joined_by_its_address(tmp_path):
+    env = fresh_trainer_env(tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", TOKEN_CLUSTER_PROGRAM], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True)
+    try:
+        address = holder.stdout.readline().strip()
+        assert (tmp_path / "home" / ".ray" / "auth_token").is_file()  # the cluster checks tokens
+        said = subprocess.run([sys.executable, "-c", JOIN_PROGRAM, address], env=env, capture_output=True, text=True,
+                              timeout=HANG_GUARD).stdout
+        assert said.strip() == "joined 1.0", said
+    finally:
+        holder.terminate()
+        holder.wait(timeout=60)

@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
         raise SystemExit("usage: python -m hsx.demo.build OUT_DIR")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # save_pretrained's "Writing model shards" bars: one line says what was built
     info = build_demo(argv[0])
     loss = f", training loss {info['loss_first']:.2f} -> {info['loss_last']:.2f}" if info["loss_first"] else ""
     print(f"demo models in {info['dir']} ({info['seconds']:.1f} s{loss})")

@@ -29,6 +29,8 @@ Methods, called by the run layer:
 - ``stream(prompts)``: for a window of rendered prompts, ``(prompt, AlignedSample | SampleError)``
   pairs as each finishes, every prompt exactly once, in any order. A per-sample problem is a
   :class:`SampleError` in the pair; an :class:`HsxError` raised stops the run.
+- ``watch_tokens(callback)`` (optional): the progress bar's feed of tokens prefilled and generated
+  as forwards finish (the pipeline calls it once, before the first window).
 """
 
 from __future__ import annotations
@@ -67,6 +69,13 @@ class Runner(abc.ABC):
     @abc.abstractmethod
     def stream(self, prompts: Sequence) -> Iterator[tuple]:
         """``(prompt, AlignedSample | SampleError)`` for each prompt of a window, as each finishes."""
+
+    def watch_tokens(self, callback: Callable[..., None]) -> None:
+        """Have ``callback(queued=, prompt=, generated=, budget=)`` told of tokens as forwards finish:
+        prompt tokens a window brings (``queued``) and its completion budget (``budget``, generate
+        mode; a request that stops early gives the unused part back as a negative ``budget``),
+        prompt tokens prefilled (``prompt``) and tokens generated (``generated``). An engine that
+        cannot see its forwards ignores it (the default): progress then moves per finished sample."""
 
 
 def stop_token_ids(model_path: str, tokenizer, generation_config=None) -> tuple[int, ...]:

@@ -93,22 +93,75 @@ class RunSummary:
 
 class Progress:
     """A run's progress bar: source rows done, tokens per second (from the bar's start: after the
-    model has loaded), errors."""
+    model has loaded), errors; with an engine that reports its forwards (:meth:`tokens`), also the
+    prompt tokens prefilled and the tokens generated out of what the engine holds, and the time
+    those will take at the rates so far (``eta``): so a long prompt moves the bar before it ends."""
+
+    REDRAW_S = 0.5  # token reports redraw the bar at most this often
 
     def __init__(self, total: int, summary: RunSummary, enabled: bool = True):
         self.bar = tqdm(total=total, unit="sample", disable=not enabled, dynamic_ncols=True)
         self.summary, self.t0 = summary, time.perf_counter()
+        self.counts = dict(queued=0, prompt=0, generated=0, budget=0)
+        self.prompt_s = self.generate_s = 0.0  # seconds spent prefilling, generating (between reports)
+        self.last = self.drawn = self.t0
 
     def update(self, item) -> None:
         """Count one item of :func:`results` (a :class:`Resumed` counts its rows)."""
-        s = self.summary
         # the postfix goes first: update() draws it (one set after the draw shows a sample late)
-        self.bar.set_postfix(tok_s=f"{s.tokens / max(time.perf_counter() - self.t0, 1e-9):,.0f}", errors=s.errors,
-                             refresh=False)
+        self.bar.set_postfix_str(self._postfix(), refresh=False)
         self.bar.update(item.count if isinstance(item, Resumed) else 1)
+
+    def tokens(self, queued: int = 0, prompt: int = 0, generated: int = 0, budget: int = 0) -> None:
+        """An engine's report (:meth:`hsx.engine.contract.Runner.watch_tokens`)."""
+        now = time.perf_counter()
+        if prompt:
+            self.prompt_s += now - self.last
+        if generated:
+            self.generate_s += now - self.last
+        self.last = now
+        for key, n in (("queued", queued), ("prompt", prompt), ("generated", generated), ("budget", budget)):
+            self.counts[key] += n
+        if now - self.drawn >= self.REDRAW_S:
+            self.drawn = now
+            self.bar.set_postfix_str(self._postfix())
+
+    def _postfix(self) -> str:
+        s, c = self.summary, self.counts
+        if not c["queued"]:  # the engine reports nothing: samples and their tokens only
+            return f"tok_s={s.tokens / max(time.perf_counter() - self.t0, 1e-9):,.0f}, errors={s.errors}"
+        parts = [f"prompt {c['prompt']:,}/{c['queued']:,} tok"]
+        if c["budget"]:
+            parts.append(f"generated {c['generated']:,}/<={c['budget']:,} tok")
+        eta = self.eta()
+        parts.append("eta ?" if eta is None else f"eta {_clock(eta)}")
+        return ", ".join(parts) + f", errors={s.errors}"
+
+    def eta(self) -> float | None:
+        """Seconds the tokens the engine holds will take: prompt tokens left at the prefill rate so far,
+        plus the completion budget left (an upper bound: requests may stop early) at the generation
+        rate so far; None until both rates that are needed are known."""
+        c = self.counts
+        left = {"prompt": c["queued"] - c["prompt"], "generated": c["budget"] - c["generated"]}
+        seconds = {"prompt": self.prompt_s, "generated": self.generate_s}
+        total = 0.0
+        for key, n in left.items():
+            if n <= 0:
+                continue
+            if not c[key] or not seconds[key]:
+                return None
+            total += n * seconds[key] / c[key]
+        return total
 
     def close(self) -> None:
         self.bar.close()
+
+
+def _clock(seconds: float) -> str:
+    """``1:05:07``, ``4:12``, ``0:09``: as tqdm shows its own times."""
+    m, s = divmod(int(seconds + 0.5), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
 def pending_prompts(rows: Iterable, renderer, done: set[str]) -> Iterator:

@@ -8,13 +8,13 @@ and the codec's measured ratio gives the bytes. Nothing is loaded onto a device 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from hsx.config import ExtractConfig
 from hsx.errors import HsxError, SampleError
-from hsx.run.report import size_text
+from hsx.run.report import ERRORS_SHOWN, size_text
 from hsx.shards import positions
 from hsx.shards.format import row_bytes as stored_row_bytes
 from hsx.shards.sink import DEFAULT_LANES, ROW_GROUP_BYTES
@@ -39,11 +39,13 @@ class Estimate:
     columns: dict[str, int]  # column -> width
     codec: str
     upper_bound: bool  # generate mode: every completion assumed max_new_tokens long
+    errors: list[dict] = field(default_factory=list)  # the would-be error records: sample_id, source_index, reason
 
     def lines(self) -> list[str]:
         bound = "at most " if self.upper_bound else ""
         return [
             f"samples  {self.samples:,} ({self.skipped:,} would be error records)",
+            *self._error_lines(),
             f"tokens   {bound}{self.tokens:,}; rows per column {bound}{self.rows:,}",
             "columns  " + ", ".join(f"{n} ({w} wide)" for n, w in self.columns.items()),
             f"hidden   {bound}{size_text(self.raw_bytes)} raw",
@@ -51,6 +53,14 @@ class Estimate:
             f"(x{CODEC_RATIO[self.codec]:.2f} of raw, measured on {RATIO_SOURCE}; real ratios vary with the model and data)",
             f"shards   {bound}{self.shards:,}",
         ]
+
+    def _error_lines(self) -> list[str]:
+        """Each would-be error record as ``hsx inspect`` lists them (the first :data:`ERRORS_SHOWN`)."""
+        lines = [f"  error  {e['sample_id']}  (source row {e['source_index']}): {e['reason']}"
+                 for e in self.errors[:ERRORS_SHOWN]]
+        if len(self.errors) > ERRORS_SHOWN:
+            lines.append(f"  ... and {len(self.errors) - ERRORS_SHOWN} more error records")
+        return lines
 
 
 def estimate(cfg: ExtractConfig) -> Estimate:
@@ -78,12 +88,12 @@ def estimate(cfg: ExtractConfig) -> Estimate:
     renderer = Renderer(tokenizer, cfg.mode, text_field=cfg.text_field, id_field=cfg.id_field,
                         chat_template=chat_template, max_length=cfg.max_length or context, split=cfg.split)
     renderer.detect(data.column_names)
-    n_tok, prompt, masks, skipped = [], [], [], 0
+    n_tok, prompt, masks, errors = [], [], [], []
     for i, row in enumerate(data):
         try:
             p = renderer.render(row, i)
-        except SampleError:
-            skipped += 1
+        except SampleError as e:
+            errors.append({"sample_id": e.sample_id, "source_index": i, "reason": e.reason})
             continue
         n = len(p.input_ids) + (cfg.max_new_tokens if cfg.mode == "generate" else 0)
         n_tok.append(n)
@@ -100,5 +110,5 @@ def estimate(cfg: ExtractConfig) -> Estimate:
     # the writer cuts shards by the records' (raw) bytes; with several lanes each shard is one row group
     per_shard = min(cfg.max_shard_mb << 20, ROW_GROUP_BYTES) if DEFAULT_LANES > 1 else cfg.max_shard_mb << 20
     shards = max(math.ceil(raw / per_shard), math.ceil(len(n_tok) / cfg.max_shard_samples)) if n_tok else 0
-    return Estimate(len(n_tok), skipped, int(n_tok_a.sum()), int(rows.sum()), raw, on_disk, shards,
-                    {g.name: g.width for g in groups}, cfg.compression, cfg.mode == "generate")
+    return Estimate(len(n_tok), len(errors), int(n_tok_a.sum()), int(rows.sum()), raw, on_disk, shards,
+                    {g.name: g.width for g in groups}, cfg.compression, cfg.mode == "generate", errors)

@@ -15,7 +15,9 @@ from hsx.errors import HsxError
 from hsx.storage.lease import LEASE
 from hsx.storage.lock import LOCK
 from hsx.shards.manifest import (CONFIG, LEGACY_CONFIG, LEGACY_MANIFEST, MANIFEST, Manifest, atomic_write_bytes,
-                                 load_manifest, manifest_path, save_manifest)
+                                 foreign_names, load_manifest, manifest_path, save_manifest)
+
+NAMES_SHOWN = 5  # foreign files a refusal names
 
 
 def _saved_config(out: Path) -> dict | None:
@@ -38,12 +40,27 @@ def config_refusal(out: Path, m: Manifest, cfg: ExtractConfig) -> HsxError:
                     "Use a new --output, or --overwrite to replace it.")
 
 
+def check_foreign(out: Path, overwrite: bool) -> None:
+    """Refuse an output holding visible files hsx did not write, with or without ``--overwrite``:
+    hsx never deletes them, and beside the shards they would break ``pd.read_parquet(out)``."""
+    found = foreign_names(out) if out.is_dir() else []
+    if not found:
+        return
+    names = ", ".join(found[:NAMES_SHOWN]) + (f" and {len(found) - NAMES_SHOWN} more" if len(found) > NAMES_SHOWN else "")
+    why = ("--overwrite replaces only what hsx wrote and never deletes other files; " if overwrite else "")
+    raise HsxError(f"{out} holds {len(found)} file(s) or folder(s) hsx did not write ({names}): hsx writes only "
+                   "into an empty directory or its own output, which pandas, pyarrow and datasets read as one "
+                   f"Parquet dataset (every visible file in it); {why}move them out or choose another --output")
+
+
 def prepare_output(out: Path, cfg: ExtractConfig, overwrite: bool) -> Manifest | None:
-    """The manifest to resume from, or None for a fresh run; refuses a different config.
+    """The manifest to resume from, or None for a fresh run; refuses a different config, and an
+    output holding files hsx did not write (:func:`check_foreign`).
 
     An output whose manifest commits nothing yet (a run stopped before its first shard, e.g. by a
     dataset it could not read) holds nothing to lose: a new run replaces it without ``--overwrite``.
     """
+    check_foreign(out, overwrite)
     if manifest_path(out).exists():
         m = load_manifest(out)
         if m.config_hash == cfg.fingerprint() and not overwrite:

@@ -57,6 +57,7 @@ def _extract_here(cfg: ExtractConfig, out: Path, overwrite: bool, progress: bool
     sink = BackgroundSink(out, manifest, max_shard_bytes=cfg.max_shard_mb << 20,
                           max_shard_samples=cfg.max_shard_samples)
     bar = Progress(len(rows), summary, progress)
+    run.engine.watch_tokens(bar.tokens)
     try:
         write_results(results(run.engine, enumerate(rows), run.renderer, cfg, manifest.done_ids()), sink, summary, bar.update)
         sink.close(complete=True)

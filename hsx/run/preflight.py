@@ -34,7 +34,7 @@ from hsx.data.files import FILE_BUILDERS, check_has_rows
 from hsx.data.stored import adopt_source
 from hsx.engine.registry import check_engine
 from hsx.errors import HsxError
-from hsx.run.output import config_refusal
+from hsx.run.output import check_foreign, config_refusal
 from hsx.storage.lock import unwritable
 from hsx.shards.manifest import load_manifest, manifest_path
 from hsx.storage.store import as_path, is_remote
@@ -278,6 +278,7 @@ def check_output(cfg: ExtractConfig, overwrite: bool) -> None:
         return
     out = as_path(cfg.output)  # a local path (another scheme than s3:// is refused here)
     check_writable(out)
+    check_foreign(out, overwrite)
     if overwrite or not manifest_path(out).is_file():
         return
     m = load_manifest(out)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
+
+from hsx.storage.store import is_remote
 
 # The libraries' own bars and info lines (weights loading, dataset conversion, Ray's start-up),
 # silenced unless the user set these variables or asked for -v: hsx prints one bar and one summary.
@@ -17,6 +21,8 @@ LIBRARY_QUIET = {
     "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1",
     "RAY_LOGGER_LEVEL": "error",
     "RAY_DEDUP_LOGS": "1",
+    "VLLM_LOGGING_LEVEL": "ERROR",  # vLLM's info lines and warnings (and the weights' loading bar: the vllm runner)
+    "TORCH_CPP_LOG_LEVEL": "ERROR",  # torch's C++ warnings (vLLM's CPU worker: "NUMA binding ...")
 }
 
 
@@ -33,10 +39,12 @@ def libraries_quiet(verbose: bool = False):
 
     env = {k: os.environ.get(k) for k in LIBRARY_QUIET}
     saved = (hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity(),
-             not datasets.are_progress_bars_disabled(), datasets.logging.get_verbosity())
-    quiet_libraries()
+             not datasets.are_progress_bars_disabled(), datasets.logging.get_verbosity(),
+             logging.getLogger("vllm").level)
     try:
-        yield
+        with warnings.catch_warnings():
+            quiet_libraries()
+            yield
     finally:
         for k, v in env.items():
             if v is None:
@@ -49,6 +57,7 @@ def libraries_quiet(verbose: bool = False):
         if saved[2]:
             datasets.enable_progress_bars()
         datasets.logging.set_verbosity(saved[3])
+        logging.getLogger("vllm").setLevel(saved[4])
 
 
 def quiet_libraries(verbose: bool = False) -> None:
@@ -59,6 +68,9 @@ def quiet_libraries(verbose: bool = False) -> None:
         return
     for key, value in LIBRARY_QUIET.items():
         os.environ.setdefault(key, value)
+    warnings.filterwarnings("ignore", category=FutureWarning)  # deprecations inside the libraries, not the user's to fix
+    # vLLM logs a few lines while it is imported, before it applies VLLM_LOGGING_LEVEL to its loggers
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
     if "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging
 
@@ -147,7 +159,9 @@ def format_verify(r) -> str:
         for f in s.faults:
             lines.append(f"           - {f}")
     for name in r.ignored:
-        lines.append(f"  ignored  {name} (not in the manifest: a leftover of an interrupted write; readers skip it)")
+        lines.append(f"  ignored  {name} ({_why_ignored(name, name in r.foreign)})")
+    for name in sorted(set(r.foreign) - set(r.ignored)):
+        lines.append(f"  ignored  {name}/ ({_why_ignored(name, True)})")
     if r.errors:
         lines.append(f"  note   {r.errors} sample(s) recorded as input errors (see the manifest's 'errors')")
     if r.complete is False:
@@ -156,6 +170,18 @@ def format_verify(r) -> str:
     bad = sum(1 for s in r.shards if s.faults) + (1 if r.faults else 0)
     lines.append("verify: OK" if r.ok else f"verify: FAILED ({bad} shard(s) or manifest with faults)")
     return "\n".join(lines)
+
+
+def _why_ignored(name: str, foreign: bool) -> str:
+    """Why a file the manifest does not name is there, and who reads it: hsx readers skip it; pandas,
+    pyarrow and datasets skip hidden names only."""
+    if name.startswith("."):
+        return "hidden, not in the manifest: a leftover of an interrupted write or another tool's; every reader skips it"
+    if foreign:
+        return ("not written by hsx: hsx.open skips it, but pandas, pyarrow and datasets read every visible file of the "
+                "directory and fail on it or read it as rows; move it out")
+    return ("a shard the manifest does not commit: hsx.open skips it, but pandas, pyarrow and datasets would read its "
+            "rows as well; move it out")
 
 
 def format_interrupted(output: str, by: str | None = None) -> str:
@@ -181,7 +207,7 @@ def format_run(s) -> str:
     lines = [
         f"wrote {s.samples:,} samples ({s.tokens:,} tokens, {s.completion_tokens:,} generated, {s.rows:,} rows per column) "
         f"to {s.output} in {s.seconds:.1f} s, start-up included ({rate:,.0f} tokens/s)",
-        f"  shards on disk: {size_text(s.bytes)} in total",
+        f"  shards {'in the object store' if is_remote(s.output) else 'on disk'}: {size_text(s.bytes)} in total",
     ]
     if not s.workers:  # under --ray each worker has its own writer
         lines.append(f"  shard writer: the engine waited {s.writer_blocked_s:.2f} s on it (its threads busy {s.writer_busy_s:.1f} s)")

@@ -72,6 +72,20 @@ class Manifest:
         return {"format": MANIFEST_FORMAT, **asdict(self)}
 
 
+def written_by_hsx(name: str) -> bool:
+    """A name an output of hsx may hold: its shards (``shard-*.parquet``), the manifest and config of
+    any format, and hidden names (staging files, the lock, the lease), which readers skip."""
+    return name.startswith(".") or (name.startswith("shard-") and name.endswith(".parquet")) \
+        or name in (LEGACY_MANIFEST, LEGACY_CONFIG)
+
+
+def foreign_names(directory: Path) -> list[str]:
+    """The visible files and folders in ``directory`` that hsx did not write: pandas, pyarrow and
+    ``datasets`` read every visible file of a directory as part of its dataset, so any of these
+    breaks (or joins) what they read there."""
+    return sorted(p.name for p in directory.iterdir() if not written_by_hsx(p.name))
+
+
 def manifest_path(directory: Path) -> Path:
     """The directory's manifest: ``.hsx-manifest.json``, or ``manifest.json`` in an output written before format 4."""
     directory = as_path(directory)

@@ -17,8 +17,8 @@ from hsx.shards import format as fmt
 from hsx.shards import positions
 from hsx.storage.lease import LEASE
 from hsx.storage.lock import LOCK
-from hsx.shards.manifest import (CONFIG, LEGACY_CONFIG, LEGACY_MANIFEST, MANIFEST, Manifest, ShardEntry, load_manifest,
-                                 shard_path)
+from hsx.shards.manifest import (CONFIG, LEGACY_CONFIG, LEGACY_MANIFEST, MANIFEST, Manifest, ShardEntry, foreign_names,
+                                 load_manifest, shard_path)
 from hsx.shards.shard import Shard, load_shard
 from hsx.storage.store import as_path, open_ranged
 
@@ -37,6 +37,7 @@ class VerifyReport:
     shards: list[ShardReport] = field(default_factory=list)
     faults: list[str] = field(default_factory=list)  # not tied to one shard
     ignored: list[str] = field(default_factory=list)  # files the manifest does not name
+    foreign: list[str] = field(default_factory=list)  # visible files and folders hsx did not write
     errors: int = 0  # samples recorded as errors (bad input), not faults
     complete: bool | None = None  # the manifest's: False while a run is in progress or after it stopped; None for one file
     samples: int = 0  # samples the manifest commits
@@ -176,6 +177,7 @@ def verify(path: str | Path) -> VerifyReport:
     report.errors, report.complete, report.samples = len(m.errors), m.complete, m.num_samples
     named = {s.file for s in m.shards} | {MANIFEST, CONFIG, LEGACY_MANIFEST, LEGACY_CONFIG, LOCK, LEASE}
     report.ignored = sorted(p.name for p in path.iterdir() if p.is_file() and p.name not in named)
+    report.foreign = foreign_names(path)
     seen: set[str] = set()
     for entry in m.shards:
         r = _verify_one(shard_path(path, entry.file), entry, m)

@@ -40,7 +40,8 @@ from hsx.engine.hf.batch_state import BatchState, admissible
 from hsx.engine.hf.kv import KV
 from hsx.engine.hf.kv import SlotLayer as _SlotLayer  # noqa: F401  (the cache layer, reached by tests under this name)
 from hsx.heads.layer_ids import HF_READING, resolve_head_layers, sglang_boundaries
-from hsx.engine.hf.prompt_batch import PromptRows, pad_prompts, prompt_block, prompt_chunks, prompt_positions
+from hsx.engine.hf.prompt_batch import (PromptRows, pad_prompts, prompt_block, prompt_chunks, prompt_positions,
+                                        prompt_tokens_in)
 from hsx.engine.hf.tree import DraftTree
 from hsx.errors import HsxError
 
@@ -139,6 +140,7 @@ class HFEngine:
         self.store_dtype = store_dtype
         self.padding_side = padding_side
         self.stats = StreamStats()
+        self.on_tokens = None  # a progress callback (Runner.watch_tokens): prompt tokens, generated tokens
         self.vocab_size = int(model.config.vocab_size)
         self.head = isinstance(draft_model, Eagle3Head)
         self.aux_sources: tuple[int, ...] = ()
@@ -190,6 +192,7 @@ class HFEngine:
                     kv.commit(valid[:, part])
                 rows.add(self._columns(cap), valid[:, part])  # name -> [B, q, W]
                 cap.clear()
+                self._tell(prompt=prompt_tokens_in(prompts, self.padding_side, part))
             return [teacher_forced(prompts[i], rows.of(i), self.groups, self.store_dtype) for i in range(len(rids))]
 
     def generate(self, requests: Sequence[tuple[object, torch.Tensor]], sampling: SamplingSettings) -> list[AlignedSample]:
@@ -286,6 +289,7 @@ class HFEngine:
                     last_logits[ending] = chosen
                 del out
                 rows.add(self._columns(cap), valid[:, part])
+                self._tell(prompt=prompt_tokens_in(prompts, self.padding_side, part))
                 if self.head:
                     aux = cap.take(self.aux_sources)  # [B, q, K * H]
                     draft.run(nxt_ids[:, part], positions[:, part], block & nxt_valid[:, None, part], draft_hidden=aux)
@@ -404,6 +408,8 @@ class HFEngine:
         has_stop = is_stop.any(1) & (stop_len <= sampling.max_new_tokens)
         n_out = state.n_out + accept_cpu
         finished = has_stop | (n_out >= sampling.max_new_tokens)
+        if self.on_tokens is not None:
+            self._tell_generated(state, has_stop, stop_len, n_out, finished, sampling.max_new_tokens)
         rids, out = list(state.rids), []
         for i in finished.nonzero()[:, 0].tolist():
             length, reason = (int(stop_len[i]), "stop") if has_stop[i] else (sampling.max_new_tokens, "length")
@@ -415,6 +421,19 @@ class HFEngine:
         return state, out
 
     # ---- helpers -------------------------------------------------------------------------
+
+    def _tell(self, **counts: int) -> None:
+        """Token counts for the progress callback, if there is one."""
+        if self.on_tokens is not None:
+            self.on_tokens(**counts)
+
+    def _tell_generated(self, state: BatchState, has_stop, stop_len, n_out, finished, max_new: int) -> None:
+        """A step's tokens kept (overshoot past a stop or ``max_new`` not counted), and the budget the
+        requests finishing early give back; host tensors ``[B]``, free rows left out."""
+        live = torch.tensor([rid is not None for rid in state.rids])
+        kept = torch.where(has_stop, stop_len, n_out.clamp(max=max_new))  # [B] each request's length after the step
+        self._tell(generated=int((kept - state.n_out).clamp(min=0)[live].sum()),
+                   budget=-int((max_new - kept)[finished & live].sum()))
 
     def _capture(self) -> Capture:
         """Hooks keeping what a target forward's rows are made of, and nothing else."""

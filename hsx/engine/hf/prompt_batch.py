@@ -19,6 +19,15 @@ def pad_prompts(prompts: Sequence[torch.Tensor], side: str, device) -> tuple[tor
     return ids.to(device), valid.to(device)
 
 
+def prompt_tokens_in(prompts: Sequence[torch.Tensor], side: str, part: slice) -> int:
+    """Real (not padding) prompt tokens in the slots ``part`` of :func:`pad_prompts`' layout, counted
+    on the host."""
+    lengths = torch.tensor([p.numel() for p in prompts])  # [B]
+    width = int(lengths.max())
+    start = torch.zeros_like(lengths) if side == "right" else width - lengths
+    return int((torch.clamp(start + lengths, max=part.stop) - torch.clamp(start, min=part.start)).clamp(min=0).sum())
+
+
 def prompt_positions(valid: torch.Tensor) -> torch.Tensor:
     """Positions ``[B, P]`` of a padded prompt, counted over real tokens only."""
     return (valid.long().cumsum(1) - 1).clamp(min=0)

@@ -93,6 +93,9 @@ class HFRunner(Runner):
             out["aux_layers"] = {**self.head_layers.describe(), "boundaries": list(self.engine.aux_sources)}
         return out
 
+    def watch_tokens(self, callback) -> None:
+        self.engine.on_tokens = callback
+
     def run(self, prompts) -> list:
         """One sample per prompt, in order, from one batch."""
         requests = [(p.sample_id, torch.tensor(p.input_ids, dtype=torch.int64)) for p in prompts]
@@ -109,6 +112,10 @@ class HFRunner(Runner):
         admission's prefill within ``max_batch_tokens``.
         """
         cfg = self.cfg
+        if self.engine.on_tokens is not None:
+            generate = cfg.mode == "generate"
+            self.engine.on_tokens(queued=sum(len(p.input_ids) for p in prompts),
+                                  budget=len(prompts) * cfg.max_new_tokens if generate else 0)
         if cfg.mode == "prefill":
             lengths = [len(p.input_ids) for p in prompts]
             for batch in prefill_batches(lengths, cfg.batch_size, cfg.max_batch_tokens):

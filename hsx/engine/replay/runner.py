@@ -75,6 +75,9 @@ class StoredTokensRunner(Runner):
         """The source's: its tokens and accept lengths are what that decoding made."""
         return self.speculative
 
+    def watch_tokens(self, callback) -> None:
+        self.inner.watch_tokens(callback)
+
     def stream(self, prompts) -> Iterator[tuple]:
         """``(prompt, sample)`` for a window of stored prompts as each finishes, each checked against the source."""
         by_id = {p.sample_id: p for p in prompts}

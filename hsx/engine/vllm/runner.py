@@ -24,6 +24,7 @@ state, and turning aux outputs on would feed it the aux states instead, so only 
 
 from __future__ import annotations
 
+import os
 import uuid
 from dataclasses import dataclass
 
@@ -44,6 +45,7 @@ METHODS = {"EAGLE": "eagle", "EAGLE3": "eagle3", "NGRAM": "ngram"}  # hsx name -
 REQUIRED_ARGS = {"enable_prefix_caching": False, "skip_tokenizer_init": True, "async_scheduling": False,
                  "worker_extension_cls": EXTENSION}
 NGRAM_LOOKUP = {"prompt_lookup_min": 1, "prompt_lookup_max": 4}  # n-gram sizes when engine_args name none
+CPU_ATTENTION_REFUSAL = "Unsupported CPU attention configuration"  # vLLM's words at the first forward
 
 
 def import_vllm():
@@ -168,6 +170,7 @@ class VLLMRunner(Runner):
             raise HsxError(f"engine_args {sorted(clash)} conflict with options hsx sets from its own configuration "
                            f"({ {k: args[k] for k in clash} }); set them through the config fields")
         args.update(extra)
+        args.setdefault("use_tqdm_on_load", os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper() in ("DEBUG", "INFO"))
         return _Plan(groups, args, algorithm, aux, set_aux, head)
 
     def _head_layers(self, algorithm, draft_config) -> HeadLayers | None:
@@ -264,11 +267,26 @@ class VLLMRunner(Runner):
             outs = self.llm.generate([{"prompt_token_ids": x} for x in ids], [self._sampling(t) for t in tags],
                                      use_tqdm=False)
             records = self.llm.collective_rpc("hsx_capture_take", args=(tags,))[0]
+        except RuntimeError as e:
+            if CPU_ATTENTION_REFUSAL not in str(e):
+                raise
+            raise self._cpu_attention_refusal() from None
         finally:
             self.llm.collective_rpc("hsx_capture_drop", args=(tags,))
         if len(outs) != len(ids):
             raise HsxError(f"vllm returned {len(outs)} outputs for {len(ids)} requests")
         return [self._sample(p.sample_id, ids[i], outs[i], records.get(tags[i])) for i, p in enumerate(prompts)]
+
+    def _cpu_attention_refusal(self) -> HsxError:
+        """vLLM's CPU attention refused the model's head size at its first forward: one line saying so."""
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        c = self.model_config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        sizes = ", ".join(map(str, CPUAttentionBackend.get_supported_head_sizes()))
+        return HsxError(f"--model {self.cfg.model}: vLLM {self.vllm.__version__}'s CPU attention cannot run head_dim "
+                        f"{head_dim} (it runs {sizes}); use --engine hf, which runs any head size, or a model whose "
+                        "head_dim is one of those")
 
     def _sample(self, sid: str, prompt_ids: list[int], out, record):
         """One request's capture + vLLM's output -> AlignedSample, or SampleError naming what differs."""

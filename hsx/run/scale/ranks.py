@@ -34,6 +34,7 @@ from typing import Iterator, NamedTuple
 from hsx.config import ExtractConfig
 from hsx.run.startup import open_rows
 from hsx.errors import HsxError
+from hsx.run.scale.cluster import NoCluster, await_address, one_node, publish_address
 from hsx.run.scale.ray_runner import LOST, connect, dataset_units, describe_workers, start_workers, unit_result
 from hsx.run.scale.worker import decode_item
 
@@ -372,9 +373,9 @@ class RankSource:
         self.cfg, self.rank, self.world, self.timeout = cfg, rank, world, timeout
         self.engine, self.pool, self.lease = None, None, None
         self.pass_no, self.position, self.reason = -1, 0, ""  # the current (or last) pass, and where it stands
-        address = cfg.ray_address or os.environ.get("RAY_ADDRESS") or "auto"  # one cluster for every rank, never a new one
-        self.started = connect(replace(cfg, ray_address=address))
         self.name = pool_name(group)
+        self.published = None  # the file telling the other ranks rank 0's cluster
+        self.started = self._connect()
         try:
             if rank == 0:
                 self.pool = self._start_pool(ray, ahead_units)
@@ -390,6 +391,24 @@ class RankSource:
         except BaseException:
             self.close()
             raise
+
+    def _connect(self) -> bool:
+        """Join the run's one cluster (``ray_address``, else ``RAY_ADDRESS``, else ``auto``). With none
+        named and every rank on this machine, rank 0 joins what ``auto`` finds or starts a local Ray
+        it owns, and the other ranks join rank 0's (:mod:`hsx.run.scale.cluster`)."""
+        address = self.cfg.ray_address or os.environ.get("RAY_ADDRESS")
+        if address is not None or not one_node(self.world):
+            return connect(replace(self.cfg, ray_address=address or "auto"))
+        if self.rank != 0:
+            return connect(replace(self.cfg, ray_address=await_address(self.name, self.rank, self.timeout)))
+        import ray
+
+        try:
+            started = connect(replace(self.cfg, ray_address="auto"))
+        except NoCluster:
+            started = connect(replace(self.cfg, ray_address="local"))
+        self.published = publish_address(self.name, ray.get_runtime_context().gcs_address)
+        return started
 
     def _start_pool(self, ray, ahead_units: int):
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -494,6 +513,9 @@ class RankSource:
         if self.lease is not None:
             ray.kill(self.lease, no_restart=True)
             self.lease = None
+        if self.published is not None:
+            self.published.unlink(missing_ok=True)
+            self.published = None
         if self.started:
             ray.shutdown()
             self.started = False

@@ -25,6 +25,7 @@ from hsx.run.core import RunSummary
 from hsx.run.startup import open_rows
 from hsx.errors import HsxError
 from hsx.run.output import open_manifest, prepare_output
+from hsx.run.scale.cluster import join_refusal, use_token_if_present
 from hsx.run.scale.worker import ExtractWorker
 from hsx.storage.lock import output_lock
 from hsx.shards.manifest import ErrorRecord, Manifest, ShardEntry, publish, save_manifest, shard_path
@@ -74,11 +75,13 @@ def connect(cfg: ExtractConfig) -> bool:
 
     if ray.is_initialized():
         return False
+    if cfg.ray_address not in (None, "local"):
+        use_token_if_present()
     try:
         with keep_sigterm_handler():  # the CLI's (SIGTERM stops the run as Ctrl-C does) wins over Ray's
             ray.init(address=cfg.ray_address, log_to_driver=False, include_dashboard=False)
     except (ConnectionError, ValueError, RuntimeError) as e:
-        raise HsxError(f"cannot start or join Ray (address {cfg.ray_address or 'default'}): {e}") from None
+        raise join_refusal(cfg.ray_address, e) from None
     return True
 
 

@@ -10,6 +10,8 @@ import torch
 FINAL_NORM = {
     "gpt2": "transformer.ln_f",
     "gpt_neox": "gpt_neox.final_layer_norm",
+    "lfm2": "model.embedding_norm",  # applied after the blocks, despite its name
+    "falcon_h1": "model.final_layernorm",
 }
 
 
@@ -19,7 +21,7 @@ def final_norm(model) -> torch.nn.Module:
 
 def logits_of(model, final: torch.Tensor) -> torch.Tensor:
     """lm_head of the final state, with the output soft-capping the family applies (Gemma 2)."""
-    logits = model.get_output_embeddings()(final)
+    logits = model.get_output_embeddings()(final) * getattr(model.config, "lm_head_multiplier", 1.0)  # Falcon-H1
     cap = getattr(model.config, "final_logit_softcapping", None)
     return logits if cap is None else torch.tanh(logits / cap) * cap
 

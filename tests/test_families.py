@@ -4,8 +4,11 @@ forward of the same model, with the model's own masks).
 The families differ where misalignment hides: sliding-window layers (Mistral, Phi-3, all layers;
 Gemma 2/3 and GPT-OSS, mixed with full layers), attention sinks and MoE routing (GPT-OSS,
 Qwen3-MoE), logit soft-capping (Gemma 2), scaled embeddings (Gemma), absolute position embeddings
-and a final norm outside ``model.norm`` (GPT-2, GPT-NeoX). Windows are 5 tokens, sequences up to
-24, so every sliding layer drops keys in prefill, in the cache and inside draft trees.
+and a final norm outside ``model.norm`` (GPT-2, GPT-NeoX, LFM2, Falcon-H1). Windows are 5 tokens,
+sequences up to 24, so every sliding layer drops keys in prefill, in the cache and inside draft trees.
+Recurrent layers (Gated DeltaNet in Qwen3.5 and Qwen3-Next, LFM2's short convolutions, Falcon-H1's
+Mamba-2) run plain and chain decoding with right padding; trees and left padding are refused
+(tests/test_recurrent.py).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import functools
 import pytest
 import torch
 
-from families import DRAFT_SCALE, FAMILIES, VOCAB, WINDOW, WINDOWED, build, cached
+from families import DRAFT_SCALE, FAMILIES, RECURRENT, VOCAB, WINDOW, WINDOWED, build, cached, rel_tol
 from hsx.align import ModelShape, parse_layers
 from hsx.demo.models import perturbed_copy
 from hsx.engine.hf import HFEngine, SamplingSettings, SpecSettings
@@ -32,6 +35,17 @@ TREE = SpecSettings(num_steps=3, topk=4, num_draft_tokens=8)
 SPECS = {"plain": None, "chain": CHAIN, "tree": TREE}
 LENGTHS, MAX_NEW = (1, 6, 14), 10  # prompts shorter and longer than the window, sequences up to 24
 ALL = list(FAMILIES)
+
+
+def supported(family: str, mode: str, padding: str = "right") -> bool:
+    """Recurrent families draft chains and pad on the right (the rest is refused: tests/test_recurrent.py)."""
+    return family not in RECURRENT or (mode != "tree" and padding == "right")
+
+
+PADDINGS = ("right", "left")
+GENERATE_CASES = [(f, m, p) for f in ALL for m in SPECS for p in PADDINGS if supported(f, m, p)]
+PREFILL_CASES = [(f, p) for f in ALL for p in PADDINGS if supported(f, "plain", p)]
+SPEC_CASES = [(f, m) for f in ALL for m in ("chain", "tree") if supported(f, m)]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -65,36 +79,36 @@ def prompts(lengths, seed=0):
     return [(f"r{i}", torch.randint(0, VOCAB, (n,), generator=gen)) for i, n in enumerate(lengths)]
 
 
-def close(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, float]:
+def close(got: torch.Tensor, want: torch.Tensor, rel: float = REL_TOL) -> tuple[bool, float]:
     """Within tolerance, and the largest difference relative to the largest reference value."""
     diff, scale = float((got - want).abs().max()), float(want.abs().max())
-    return diff <= TOL + REL_TOL * scale, diff / max(scale, 1e-30)
+    return diff <= TOL + rel * scale, diff / max(scale, 1e-30)
 
 
-def check_oracle(model, sample, groups, teacher_forced: bool, name: str = "sample") -> int:
+def check_oracle(model, sample, groups, teacher_forced: bool, name: str = "sample", rel: float = REL_TOL) -> float:
     """Every stored row of every group equals the oracle; greedy completions are the oracle's argmax.
-    Returns the number of rows checked."""
+    Returns the worst difference relative to the largest reference value."""
     ref = oracle_rows(model, sample.input_ids, groups)
     n = sample.input_ids.numel()
     rows = n if teacher_forced else n - 1  # generate mode: the last token is never fed back
+    worst = 0.0
     for g in groups:
         got = sample.hidden[g.name]
         assert got.shape == (rows, g.width), (name, g.name, got.shape)
-        ok, rel = close(got, ref[g.name][:rows])
-        assert ok, f"{name} {g.name}: max |diff| is {rel:.2e} of the largest reference value"
+        ok, diff = close(got, ref[g.name][:rows], rel)
+        assert ok, f"{name} {g.name}: max |diff| is {diff:.2e} of the largest reference value"
+        worst = max(worst, diff)
     if not teacher_forced:
         with torch.no_grad():
             greedy = logits_of(model, oracle_sources(model, sample.input_ids)["final"]).argmax(-1)  # [n]
         p = sample.prompt_len
         assert torch.equal(sample.input_ids[p:], greedy[p - 1: n - 1]), f"{name}: not the oracle's greedy tokens"
-    return rows * len(groups)
+    return worst
 
 
 # ---- the grid --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("padding", ["right", "left"])
-@pytest.mark.parametrize("mode", list(SPECS))
-@pytest.mark.parametrize("family", ALL)
+@pytest.mark.parametrize("family,mode,padding", GENERATE_CASES)
 def test_generate_rows_equal_oracle(family, mode, padding):
     eng = engine(family, mode, padding)
     samples = eng.generate(prompts(LENGTHS), SamplingSettings(max_new_tokens=MAX_NEW))
@@ -102,30 +116,28 @@ def test_generate_rows_equal_oracle(family, mode, padding):
         assert torch.equal(sample.input_ids[: p.numel()], p)
         assert sample.input_ids.numel() - p.numel() == MAX_NEW and sample.finish_reason == "length"
         assert sample.num_rows == sample.input_ids.numel() - 1
-        check_oracle(cached(family), sample, eng.groups, teacher_forced=False, name=rid)
+        check_oracle(cached(family), sample, eng.groups, teacher_forced=False, name=rid, rel=rel_tol(family, REL_TOL))
     if mode != "plain":
         accepts = torch.cat([s.accept_lens for s in samples]).long()
         assert bool((accepts == 1).any()) and bool((accepts > 1).any()), accepts  # drafts accepted and rejected
 
 
-@pytest.mark.parametrize("padding", ["right", "left"])
-@pytest.mark.parametrize("family", ALL)
+@pytest.mark.parametrize("family,padding", PREFILL_CASES)
 def test_prefill_rows_equal_oracle(family, padding):
     eng = engine(family, padding=padding)
     reqs = prompts((9, 1, 4, 23), seed=3)
     for sample, (rid, ids) in zip(eng.prefill(reqs), reqs):
         assert torch.equal(sample.input_ids, ids) and sample.finish_reason == "prefill"
-        check_oracle(cached(family), sample, eng.groups, teacher_forced=True, name=rid)
+        check_oracle(cached(family), sample, eng.groups, teacher_forced=True, name=rid, rel=rel_tol(family, REL_TOL))
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree"])
-@pytest.mark.parametrize("family", ALL)
+@pytest.mark.parametrize("family,mode", SPEC_CASES)
 def test_batch_invariance(family, mode):
     # a request decodes the same tokens with the same accept lengths alone and in a padded batch
     reqs = prompts((5, 1, 12), seed=4)
     sampling = SamplingSettings(max_new_tokens=12)
     alone = [engine(family, mode).generate([r], sampling)[0] for r in reqs]
-    for padding in ("right", "left"):
+    for padding in [p for p in PADDINGS if supported(family, mode, p)]:
         for (rid, _), a, b in zip(reqs, alone, engine(family, mode, padding).generate(reqs, sampling)):
             assert torch.equal(a.input_ids, b.input_ids), (padding, rid)
             assert torch.equal(a.accept_lens, b.accept_lens), (padding, rid)
@@ -176,6 +188,8 @@ def _embedding_rows(family, model, ids):
     rows = model.model.embed_tokens.weight[ids]
     if family.startswith("gemma"):  # Gemma scales the embedding by sqrt(hidden)
         rows = rows * torch.tensor(model.config.hidden_size ** 0.5, dtype=rows.dtype)
+    if family == "falcon_h1":  # muP: a multiplier on the embedding
+        rows = rows * model.config.embedding_multiplier
     return rows
 
 

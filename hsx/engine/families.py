@@ -7,6 +7,11 @@ Two things differ between the families transformers ships and both decide whethe
   is within ``window - 1`` of the query's. The engine passes its own 4-D masks, which transformers
   uses as given, so the window must be in those masks: :class:`AttentionPlan` says which window
   each layer type has and whether the model takes one mask or one per layer type.
+* **Recurrent layers.** Gated DeltaNet and KDA linear attention (Qwen3.5, Qwen3-Next,
+  Kimi-Linear), LFM2's short convolutions and Falcon-H1's Mamba-2 (beside attention in one
+  ``hybrid`` layer) carry a state per row instead of a key and value per token. They take no
+  mask: the engine never lets padding or a rejected draft into their state
+  (:mod:`hsx.engine.hf.state`), and refuses what that rules out (draft trees).
 * **Where the final norm is.** ``model.norm`` (Llama, Qwen, Gemma, GPT-OSS),
   ``transformer.ln_f`` (GPT-2), ``gpt_neox.final_layer_norm`` (GPT-NeoX), ... :func:`find_layout`
   finds the decoder blocks and the final norm from the module tree, and :func:`check_layout`
@@ -25,6 +30,10 @@ import torch
 from hsx.errors import HsxError
 
 FULL, SLIDING = "full_attention", "sliding_attention"
+LINEAR, CONV, HYBRID = "linear_attention", "conv", "hybrid"
+# layer kinds with a recurrent state, and the mask keys each one's model reads: a hybrid layer (Mamba-2 and
+# attention side by side, Falcon-H1) reads the full-attention mask and the linear-attention one
+RECURRENT = {LINEAR: (LINEAR,), CONV: (CONV,), HYBRID: (FULL, LINEAR)}
 # attention implementations that add the engine's float 4-D mask to the scores as given
 MASKED_IMPLEMENTATIONS = ("eager", "sdpa")
 
@@ -49,6 +58,13 @@ class AttentionPlan:
 
     windows: dict  # layer type -> window (keys a query may see: q_pos - k_pos < window) or None
     per_type: bool
+    recurrent: tuple = ()  # mask keys of recurrent layers: they get None (no mask, no padding)
+    state_kinds: tuple = ()  # the layer kinds that keep a recurrent state, e.g. ("linear_attention",)
+
+    @property
+    def stateful(self) -> bool:
+        """Some layers keep a recurrent state: rows must never carry padding or rejected tokens into it."""
+        return bool(self.state_kinds)
 
     @staticmethod
     def from_model(model, what: str) -> "AttentionPlan":
@@ -66,10 +82,20 @@ class AttentionPlan:
         # transformers' own reading of the config: it builds its caches from the same list
         types, kwargs = get_layer_types_and_kwargs(config)
         windows: dict = {}
+        recurrent: dict = {}
+        state_kinds: dict = {}
         for i, (kind, kw) in enumerate(zip(types, kwargs)):
+            if kind in RECURRENT:
+                state_kinds[kind] = None
+                for key in RECURRENT[kind]:
+                    if key == FULL:
+                        windows[FULL] = None
+                    else:
+                        recurrent[key] = None
+                continue
             if kind not in (FULL, SLIDING):
                 raise HsxError(f"{what} ({name}): layer {i} is of type {kind!r}; the transformers engine implements "
-                               f"{FULL!r} and {SLIDING!r} layers only")
+                               f"{FULL!r}, {SLIDING!r} and recurrent ({', '.join(map(repr, RECURRENT))}) layers only")
             window = None if kind == FULL else int(kw["sliding_window"])
             if window is not None and window < 1:
                 raise HsxError(f"{what} ({name}): layer {i} has sliding_window {window}, expected >= 1")
@@ -80,7 +106,7 @@ class AttentionPlan:
         if not per_type and len(windows) > 1:
             raise HsxError(f"{what} ({name}): full and sliding layers without a layer_types list: the model takes "
                            f"one mask for all layers, which cannot express both")
-        return AttentionPlan(windows, per_type)
+        return AttentionPlan(windows, per_type, tuple(recurrent), tuple(state_kinds))
 
     def masks(self, visible: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype):
         """The ``attention_mask`` argument for ``visible [B, q, K]``, queries at ``q_pos [B, q]`` and keys
@@ -91,6 +117,7 @@ class AttentionPlan:
             if window is not None:
                 see = see & ((q_pos[:, :, None] - k_pos[:, None, :]) < window)  # [B, q, K]
             out[kind] = _float_mask(see, dtype)
+        out.update(dict.fromkeys(self.recurrent))
         return out if self.per_type else next(iter(out.values()))
 
 

@@ -16,7 +16,7 @@ NUM_LAYERS, HIDDEN, VOCAB, WINDOW = 4, 64, 256, 5
 HYBRID = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
 ALTERNATING = ["sliding_attention", "full_attention"] * (NUM_LAYERS // 2)
 
-# Gated DeltaNet layers first and third, full attention second and fourth
+# linear attention (Gated DeltaNet, KDA) first and third, full attention second and fourth
 GDN = ["linear_attention", "full_attention"] * (NUM_LAYERS // 2)
 _LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
 
@@ -54,6 +54,13 @@ FAMILIES = {
     "falcon_h1": (T.FalconH1Config, T.FalconH1ForCausalLM,
                   {"head_dim": 16, "mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16,
                    "mamba_n_groups": 1, "mamba_chunk_size": 8, "embedding_multiplier": 2.0, "lm_head_multiplier": 0.5}),
+    # KDA linear attention beside MLA (as many kv heads as query heads, as in the real checkpoints), MoE
+    "kimi_linear": (T.KimiLinearConfig, T.KimiLinearForCausalLM,
+                    {"layer_types": GDN, "num_key_value_heads": 4, "pad_token_id": 0, "bos_token_id": 1,
+                     "eos_token_id": 2, "kv_lora_rank": 32, "q_lora_rank": None, "qk_rope_head_dim": 8,
+                     "qk_nope_head_dim": 16, "v_head_dim": 16, "linear_head_dim": 16, "linear_num_heads": 4,
+                     "moe_intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+                     "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"]}),
 }
 # how far a draft is moved from its target (demo.models.perturbed_copy) so that the test prompts
 # see drafts accepted and rejected, chains and trees alike (measured on these configs and seeds)
@@ -61,7 +68,7 @@ DRAFT_SCALE = {"gemma2": 0.1, "gemma3": 0.2, "gpt2": 0.2, "gpt_neox": 0.1}
 # families whose attention has a window shorter than the test sequences
 WINDOWED = ("mistral", "phi3", "gemma2", "gemma3", "gpt_oss")
 # families with recurrent layers (linear attention, short convolutions, Mamba-2): chains only, right padding
-RECURRENT = ("qwen3_5", "qwen3_next", "lfm2", "falcon_h1")
+RECURRENT = ("qwen3_5", "qwen3_next", "lfm2", "falcon_h1", "kimi_linear")
 # Their oracle runs the chunked form of the recurrence over a whole sequence; a decode step runs the
 # recurrent form one token at a time and a prefill chunk restarts the chunking. fp32, transformers alone:
 # the model's own token-by-token decode differs from its own full forward by up to 4.2e-5 of the largest

@@ -160,7 +160,7 @@ def test_an_eagle3_head_drafts_chains_for_a_recurrent_target(family):
 # ---- refusals ----------------------------------------------------------------------------------
 
 KINDS = {"qwen3_5": ("qwen3_5_text", "'linear_attention'"), "qwen3_next": ("qwen3_next", "'linear_attention'"),
-         "lfm2": ("lfm2", "'conv'"), "falcon_h1": ("falcon_h1", "'hybrid'")}
+         "lfm2": ("lfm2", "'conv'"), "falcon_h1": ("falcon_h1", "'hybrid'"), "kimi_linear": ("kimi_linear", "'linear_attention'")}
 
 
 @pytest.mark.parametrize("family", RECURRENT)

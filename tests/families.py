@@ -45,6 +45,25 @@ FAMILIES = {
              {"n_layer": NUM_LAYERS, "n_embd": HIDDEN, "n_head": 4, "n_positions": 512, "vocab_size": VOCAB,
               "initializer_range": 0.3, "tie_word_embeddings": False}),
     "gpt_neox": (T.GPTNeoXConfig, T.GPTNeoXForCausalLM, {}),
+    # chunked attention (chunks of WINDOW positions) on three layers, NoPE full attention on the fourth; MoE
+    "llama4_text": (T.Llama4TextConfig, T.Llama4ForCausalLM,
+                    {"head_dim": 16, "attention_chunk_size": WINDOW, "num_local_experts": 4, "num_experts_per_tok": 1,
+                     "intermediate_size_mlp": 2 * HIDDEN}),
+    # MLA with as many kv heads as query heads (real checkpoints), a dense first block then MoE
+    "deepseek_v3": (T.DeepseekV3Config, T.DeepseekV3ForCausalLM,
+                    {"num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8,
+                     "qk_nope_head_dim": 16, "v_head_dim": 16, "moe_intermediate_size": 32, "n_routed_experts": 4,
+                     "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}),
+    "glm4_moe": (T.Glm4MoeConfig, T.Glm4MoeForCausalLM,
+                 {"head_dim": 16, "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                  "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}),
+    "minimax_m2": (T.MiniMaxM2Config, T.MiniMaxM2ForCausalLM,
+                   {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "bos_token_id": 1,
+                    "eos_token_id": 2}),
+    # sliding layers with sinks beside full ones, value head narrower than the query/key head; eager
+    "mimo_v2_flash": (T.MiMoV2FlashConfig, T.MiMoV2FlashForCausalLM,
+                      {"head_dim": 24, "v_head_dim": 16, "sliding_window": WINDOW, "layer_types": ALTERNATING[::-1],
+                       "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2}),
     # recurrent layers beside attention (hsx.engine.hf.state)
     "qwen3_5": (T.Qwen3_5TextConfig, T.Qwen3_5ForCausalLM, {"head_dim": 16, "layer_types": GDN, **_LINEAR}),
     "qwen3_next": (T.Qwen3NextConfig, T.Qwen3NextForCausalLM,
@@ -66,7 +85,9 @@ FAMILIES = {
 # see drafts accepted and rejected, chains and trees alike (measured on these configs and seeds)
 DRAFT_SCALE = {"gemma2": 0.1, "gemma3": 0.2, "gpt2": 0.2, "gpt_neox": 0.1}
 # families whose attention has a window shorter than the test sequences
-WINDOWED = ("mistral", "phi3", "gemma2", "gemma3", "gpt_oss")
+WINDOWED = ("mistral", "phi3", "gemma2", "gemma3", "gpt_oss", "mimo_v2_flash")
+# families with chunked attention layers, chunks of WINDOW positions
+CHUNKED = ("llama4_text",)
 # families with recurrent layers (linear attention, short convolutions, Mamba-2): chains only, right padding
 RECURRENT = ("qwen3_5", "qwen3_next", "lfm2", "falcon_h1", "kimi_linear")
 # Their oracle runs the chunked form of the recurrence over a whole sequence; a decode step runs the

@@ -213,6 +213,8 @@ def _without(family: str, feature: str):
             model.config.attn_logit_softcapping = None
             for layer in model.model.layers:
                 layer.self_attn.attn_logit_softcapping = None
+        elif feature == "chunks":  # one chunk longer than every test sequence: plain causal attention
+            model.config.attention_chunk_size = 512
         elif feature == "routing":  # send every token to the same experts
             router = "router" if family == "gpt_oss" else "gate"
             for layer in model.model.layers:
@@ -220,7 +222,7 @@ def _without(family: str, feature: str):
     return model
 
 
-@pytest.mark.parametrize("family,feature", [("gpt_oss", "sinks"), ("gemma2", "softcap"),
+@pytest.mark.parametrize("family,feature", [("gpt_oss", "sinks"), ("gemma2", "softcap"), ("llama4_text", "chunks"),
                                             ("gpt_oss", "routing"), ("qwen3_moe", "routing")])
 def test_family_features_are_live(family, feature):
     # the tiny configs exercise each feature: without it the oracle's rows change
@@ -234,7 +236,29 @@ def test_family_features_are_live(family, feature):
 def test_windowed_families_have_a_short_window(family):
     plan = AttentionPlan.from_model(cached(family), "target")
     assert plan.windows.get("sliding_attention") == WINDOW
-    assert ("full_attention" in plan.windows) == (family in ("gemma2", "gemma3", "gpt_oss"))
+    assert ("full_attention" in plan.windows) == (family in ("gemma2", "gemma3", "gpt_oss", "mimo_v2_flash"))
+
+
+def test_chunked_layers_see_their_own_chunk_only():
+    plan = AttentionPlan.from_model(cached("llama4_text"), "target")
+    assert plan.windows == {"chunked_attention": WINDOW, "full_attention": None} and plan.per_type
+    # positions 0..11 against keys 0..11: chunks [0, 5), [5, 10), [10, 12)
+    pos = torch.arange(12)[None]
+    mask = plan.masks(torch.ones(1, 12, 12, dtype=torch.bool).tril(), pos, pos, torch.float32)["chunked_attention"]
+    seen = mask[0, 0] == 0
+    assert seen[7].nonzero()[:, 0].tolist() == [5, 6, 7] and seen[10].nonzero()[:, 0].tolist() == [10]
+
+
+def test_llama4_temperature_tuning_is_exact_within_its_slot_limit_and_refused_past_it():
+    # NoPE layers scale queries by a function of the cache slot index, which is 1 below floor_scale - 1
+    model = build("llama4_text", floor_scale=12, attn_scale=0.5)
+    groups = _groups(model)
+    eng = HFEngine(model, groups, store_dtype=torch.float32)
+    for sample in eng.generate(prompts((3, 6)), SamplingSettings(max_new_tokens=3)):
+        check_oracle(model, sample, groups, teacher_forced=False)
+    with pytest.raises(HsxError, match=r"llama4_text: a forward over 14 cache slots; this model reads a slot index "
+                                       r"as a position .* exact within 11 slots"):
+        eng.prefill(prompts((14,)))
 
 
 # ---- refusals --------------------------------------------------------------------------------

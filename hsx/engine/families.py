@@ -29,7 +29,7 @@ import torch
 
 from hsx.errors import HsxError
 
-FULL, SLIDING = "full_attention", "sliding_attention"
+FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 LINEAR, CONV, HYBRID = "linear_attention", "conv", "hybrid"
 # layer kinds with a recurrent state, and the mask keys each one's model reads: a hybrid layer (Mamba-2 and
 # attention side by side, Falcon-H1) reads the full-attention mask and the linear-attention one
@@ -56,7 +56,9 @@ class AttentionPlan:
     the others take a single mask used by every layer, so all their layers share one window.
     """
 
-    windows: dict  # layer type -> window (keys a query may see: q_pos - k_pos < window) or None
+    # layer type -> window (sliding: keys a query may see, q_pos - k_pos < window; chunked: the chunk
+    # size, keys in the query's chunk of positions, q_pos // size == k_pos // size) or None (full)
+    windows: dict
     per_type: bool
     recurrent: tuple = ()  # mask keys of recurrent layers: they get None (no mask, no padding)
     state_kinds: tuple = ()  # the layer kinds that keep a recurrent state, e.g. ("linear_attention",)
@@ -93,9 +95,14 @@ class AttentionPlan:
                     else:
                         recurrent[key] = None
                 continue
-            if kind not in (FULL, SLIDING):
+            if kind not in (FULL, SLIDING, CHUNKED):
                 raise HsxError(f"{what} ({name}): layer {i} is of type {kind!r}; the transformers engine implements "
-                               f"{FULL!r}, {SLIDING!r} and recurrent ({', '.join(map(repr, RECURRENT))}) layers only")
+                               f"{FULL!r}, {SLIDING!r}, {CHUNKED!r} and recurrent ({', '.join(map(repr, RECURRENT))}) "
+                               f"layers only")
+            if kind == CHUNKED and getattr(config, "layer_types", None) is None:
+                raise HsxError(f"{what} ({name}): layer {i} is of type {kind!r} (from attention_chunk_size) but the "
+                               f"config lists no layer_types, so the model builds no chunked mask of its own to "
+                               f"match; refused rather than guessed")
             window = None if kind == FULL else int(kw["sliding_window"])
             if window is not None and window < 1:
                 raise HsxError(f"{what} ({name}): layer {i} has sliding_window {window}, expected >= 1")
@@ -114,11 +121,25 @@ class AttentionPlan:
         out = {}
         for kind, window in self.windows.items():
             see = visible
-            if window is not None:
+            if kind == CHUNKED:
+                see = see & ((q_pos[:, :, None] // window) == (k_pos[:, None, :] // window))  # [B, q, K]
+            elif window is not None:
                 see = see & ((q_pos[:, :, None] - k_pos[:, None, :]) < window)  # [B, q, K]
             out[kind] = _float_mask(see, dtype)
         out.update(dict.fromkeys(self.recurrent))
         return out if self.per_type else next(iter(out.values()))
+
+
+def slot_limit(model) -> int | None:
+    """Cache slots per row within which the engine's rows are exact, where a model reads a cache slot as a
+    position (None: no such limit). Llama 4 scales the queries of its NoPE layers by
+    ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1`` with p counted in cache slots, not from
+    ``position_ids``: the scale is 1 at every p below ``floor_scale - 1``, in the engine's compacted
+    cache and in a plain forward alike."""
+    config = _text_config(model)
+    if getattr(config, "attn_temperature_tuning", False) and not all(getattr(config, "no_rope_layers", None) or [1]):
+        return int(config.floor_scale) - 1
+    return None
 
 
 def _float_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

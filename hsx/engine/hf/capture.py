@@ -25,7 +25,7 @@ from typing import Iterable
 import torch
 
 from hsx.align import FINAL
-from hsx.engine.families import AttentionPlan, Layout, check_layout, find_layout
+from hsx.engine.families import AttentionPlan, Layout, check_layout, find_layout, model_type, slot_limit
 from hsx.errors import HsxError
 
 # The oldest transformers this engine is tested with: it passes the cache as ``cache=``, which
@@ -50,6 +50,7 @@ class Driven:
     plan: AttentionPlan
     layout: Layout | None
     slices_logits: bool = False  # forward takes logits_to_keep: lm_head runs only where logits are read
+    max_slots: int | None = None  # key slots per forward within which the rows are exact (families.slot_limit)
 
     @staticmethod
     def of(model, what: str) -> "Driven":
@@ -58,7 +59,8 @@ class Driven:
         plan = AttentionPlan.from_model(model, what)
         layout = find_layout(model, what)
         check_layout(model, layout, what)
-        return Driven(model, plan, layout, "logits_to_keep" in inspect.signature(model.forward).parameters)
+        return Driven(model, plan, layout, "logits_to_keep" in inspect.signature(model.forward).parameters,
+                      slot_limit(model))
 
     def logits_at(self, positions: torch.Tensor | int) -> dict:
         """Forward keywords computing logits only at ``positions`` (a 1-D tensor of sequence indices,
@@ -74,6 +76,10 @@ def forward(driven: Driven, input_ids, q_pos, k_pos, visible, cache, **extra):
     """One forward of ``input_ids [B, q]`` at positions ``q_pos [B, q]`` that sees the key slots
     (at positions ``k_pos [B, K]``, the new ones last) where ``visible [B, q, K]``."""
     batch, q = input_ids.shape
+    if driven.max_slots is not None and visible.shape[2] > driven.max_slots:
+        raise HsxError(f"{model_type(driven.model)}: a forward over {visible.shape[2]} cache slots; this model reads "
+                       f"a slot index as a position (attention temperature tuning), so the engine's rows are exact "
+                       f"within {driven.max_slots} slots only: use shorter prompts or max_new_tokens, or a smaller batch")
     visible = visible.clone()
     diag = torch.arange(q, device=visible.device)
     # every query sees itself: a fully masked row turns into NaN under eager attention

@@ -130,6 +130,13 @@ class AttentionPlan:
         return out if self.per_type else next(iter(out.values()))
 
 
+def has_recurrent_layers(model) -> bool:
+    """Some layers keep a recurrent state instead of keys and values (transformers' reading of the config)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    return any(kind in RECURRENT for kind in get_layer_types_and_kwargs(_text_config(model))[0])
+
+
 def slot_limit(model) -> int | None:
     """Cache slots per row within which the engine's rows are exact, where a model reads a cache slot as a
     position (None: no such limit). Llama 4 scales the queries of its NoPE layers by

@@ -49,6 +49,11 @@ FAMILIES = {
     "llama4_text": (T.Llama4TextConfig, T.Llama4ForCausalLM,
                     {"head_dim": 16, "attention_chunk_size": WINDOW, "num_local_experts": 4, "num_experts_per_tok": 1,
                      "intermediate_size_mlp": 2 * HIDDEN}),
+    # per-layer input embeddings beside the residual stream; the last two layers reuse the keys and values of
+    # the last earlier layer of their type (num_kv_shared_layers)
+    "gemma4": (T.Gemma4TextConfig, T.Gemma4ForCausalLM,
+               {"head_dim": 16, "sliding_window": WINDOW, "layer_types": ALTERNATING, "vocab_size_per_layer_input": VOCAB,
+                "hidden_size_per_layer_input": 16, "num_kv_shared_layers": 2}),
     # MLA with as many kv heads as query heads (real checkpoints), a dense first block then MoE
     "deepseek_v3": (T.DeepseekV3Config, T.DeepseekV3ForCausalLM,
                     {"num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8,
@@ -85,7 +90,7 @@ FAMILIES = {
 # see drafts accepted and rejected, chains and trees alike (measured on these configs and seeds)
 DRAFT_SCALE = {"gemma2": 0.1, "gemma3": 0.2, "gpt2": 0.2, "gpt_neox": 0.1}
 # families whose attention has a window shorter than the test sequences
-WINDOWED = ("mistral", "phi3", "gemma2", "gemma3", "gpt_oss", "mimo_v2_flash")
+WINDOWED = ("mistral", "phi3", "gemma2", "gemma3", "gpt_oss", "mimo_v2_flash", "gemma4")
 # families with chunked attention layers, chunks of WINDOW positions
 CHUNKED = ("llama4_text",)
 # families with recurrent layers (linear attention, short convolutions, Mamba-2): chains only, right padding
@@ -108,6 +113,8 @@ def config(family: str, **kw):
     args = {} if family == "gpt2" else dict(_COMMON)
     args.update(extra)
     args.update(kw)
+    if "vocab_size_per_layer_input" in extra and "vocab_size_per_layer_input" not in kw:
+        args["vocab_size_per_layer_input"] = args["vocab_size"]  # Gemma 4: one per-layer embedding per token
     return config_cls(**args)
 
 

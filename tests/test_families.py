@@ -213,6 +213,9 @@ def _without(family: str, feature: str):
             model.config.attn_logit_softcapping = None
             for layer in model.model.layers:
                 layer.self_attn.attn_logit_softcapping = None
+        elif feature == "per_layer_inputs":  # every block's per-layer input zero
+            model.model.embed_tokens_per_layer.weight.zero_()
+            model.model.per_layer_model_projection.weight.zero_()
         elif feature == "chunks":  # one chunk longer than every test sequence: plain causal attention
             model.config.attention_chunk_size = 512
         elif feature == "routing":  # send every token to the same experts
@@ -223,6 +226,7 @@ def _without(family: str, feature: str):
 
 
 @pytest.mark.parametrize("family,feature", [("gpt_oss", "sinks"), ("gemma2", "softcap"), ("llama4_text", "chunks"),
+                                            ("gemma4", "per_layer_inputs"),
                                             ("gpt_oss", "routing"), ("qwen3_moe", "routing")])
 def test_family_features_are_live(family, feature):
     # the tiny configs exercise each feature: without it the oracle's rows change
@@ -236,7 +240,7 @@ def test_family_features_are_live(family, feature):
 def test_windowed_families_have_a_short_window(family):
     plan = AttentionPlan.from_model(cached(family), "target")
     assert plan.windows.get("sliding_attention") == WINDOW
-    assert ("full_attention" in plan.windows) == (family in ("gemma2", "gemma3", "gpt_oss", "mimo_v2_flash"))
+    assert ("full_attention" in plan.windows) == (family in ("gemma2", "gemma3", "gpt_oss", "mimo_v2_flash", "gemma4"))
 
 
 def test_chunked_layers_see_their_own_chunk_only():

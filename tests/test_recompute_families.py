@@ -27,7 +27,7 @@ from hsx.run.pipeline import extract
 from oracle import oracle_sources
 from shard_fixtures import rewrite
 
-FAMILIES_2026 = (*RECURRENT, "deepseek_v3", "glm4_moe", "minimax_m2", "mimo_v2_flash", "llama4_text")
+FAMILIES_2026 = (*RECURRENT, "deepseek_v3", "glm4_moe", "minimax_m2", "mimo_v2_flash", "llama4_text", "gemma4")
 ROWS = [
     {"id": "tides", "messages": [{"role": "user", "content": "How do tides work, and why are there two a day?"}]},
     {"id": "river", "text": "The river ran past the old mill and under the stone bridge to the sea."},

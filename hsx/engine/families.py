@@ -31,6 +31,7 @@ from hsx.errors import HsxError
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 LINEAR, CONV, HYBRID = "linear_attention", "conv", "hybrid"
+DUMMY = "dummy"  # transformers' cache kind of a layer that reuses another's keys and values, or has no attention
 # layer kinds with a recurrent state, and the mask keys each one's model reads: a hybrid layer (Mamba-2 and
 # attention side by side, Falcon-H1) reads the full-attention mask and the linear-attention one
 RECURRENT = {LINEAR: (LINEAR,), CONV: (CONV,), HYBRID: (FULL, LINEAR)}
@@ -87,6 +88,8 @@ class AttentionPlan:
         recurrent: dict = {}
         state_kinds: dict = {}
         for i, (kind, kw) in enumerate(zip(types, kwargs)):
+            if kind == DUMMY:  # no cache of its own: reads another layer's keys (Gemma 4) or has no attention
+                continue
             if kind in RECURRENT:
                 state_kinds[kind] = None
                 for key in RECURRENT[kind]:
@@ -174,8 +177,9 @@ def _is_norm(module: torch.nn.Module) -> bool:
 
 
 def find_layout(model, what: str = "model") -> Layout:
-    """Blocks: the one ``ModuleList`` of ``num_hidden_layers`` modules. Final norm: the last norm module
-    registered outside the blocks, after them (the one that feeds lm_head; :func:`check_layout` proves it)."""
+    """Blocks: the one ``ModuleList`` of ``num_hidden_layers`` modules. Final norm: of the norm modules
+    registered outside the blocks, after them, the one whose output a 4-token forward hands lm_head (the
+    last of them when none does: :func:`check_layout` then says so)."""
     name = model_type(model)
     num_layers = int(_text_config(model).num_hidden_layers)
     named = list(model.named_modules())
@@ -193,7 +197,35 @@ def find_layout(model, what: str = "model") -> Layout:
     if not norms:
         raise HsxError(f"{what} ({name}): no normalisation module after the decoder blocks {blocks!r}; boundary L "
                        f"(the final norm's input) and 'final' cannot be captured")
-    return Layout(blocks, norms[-1])
+    return Layout(blocks, norms[-1] if len(norms) == 1 else _feeding_lm_head(model, norms))
+
+
+def _feeding_lm_head(model, norms: list[str]) -> str:
+    """Of the norm modules ``norms``, the one whose output is lm_head's input on a 4-token forward (Gemma 4
+    registers the norm of its per-layer inputs after the final norm)."""
+    head = model.get_output_embeddings()
+    if head is None:
+        return norms[-1]
+    rec = _Recorder()
+    hooks = [model.get_submodule(n).register_forward_hook(rec.grab(n)) for n in norms]
+    hooks.append(head.register_forward_pre_hook(rec.grab("head_in", output=False)))
+    try:
+        with torch.inference_mode():
+            model(input_ids=_probe_ids(model, head.weight.device), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    head_in = rec.seen["head_in"][-1:]
+    feeding = [n for n in norms if head_in and any(_same(out, head_in[0]) for out in rec.seen[n])]
+    return feeding[-1] if feeding else norms[-1]
+
+
+def _same(a, b) -> bool:
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+
+
+def _probe_ids(model, device) -> torch.Tensor:
+    return torch.arange(4, device=device)[None] % int(_text_config(model).vocab_size)
 
 
 def check_layout(model, layout: Layout, what: str = "model") -> None:
@@ -212,9 +244,9 @@ def check_layout(model, layout: Layout, what: str = "model") -> None:
               layout.norm(model).register_forward_hook(rec.grab("norm_out")),
               head.register_forward_pre_hook(rec.grab("head_in", output=False))]
     try:
-        ids = torch.arange(4, device=head.weight.device)[None] % int(_text_config(model).vocab_size)
         with torch.inference_mode():
-            hs = model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+            hs = model(input_ids=_probe_ids(model, head.weight.device), output_hidden_states=True,
+                       use_cache=False).hidden_states
     finally:
         for h in hooks:
             h.remove()

@@ -187,3 +187,17 @@ def test_a_recurrent_draft_for_an_attention_target_drafts_chains_only():
     eng = HFEngine(target, groups, draft_model=draft, spec=SpecSettings(3, 1, 4), store_dtype=torch.float32)
     for sample in eng.generate(prompts((4, 9)), SamplingSettings(max_new_tokens=8)):
         check_oracle(target, sample, groups, False)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "falcon_h1"])
+def test_continuous_batching_hands_a_finished_row_to_a_waiting_request(family):
+    # two rows, five requests: a waiting request takes a finished one's row, its states copied into it
+    # (requests of one prompt length are admitted together, the others one by one)
+    model = cached(family)
+    eng = HFEngine(model, groups_for(model), draft_model=perturbed_copy(model, 0.05, 1), spec=SpecSettings(3, 1, 4),
+                   store_dtype=torch.float32)
+    reqs = prompts((6, 6, 3, 9, 6), seed=10)
+    done = dict(eng.stream(reqs, SamplingSettings(max_new_tokens=8), slots=2))
+    assert set(done) == {rid for rid, _ in reqs} and eng.stats.admissions >= 4, eng.stats
+    for rid, sample in done.items():
+        check_oracle(model, sample, eng.groups, False, name=rid, rel=RECURRENT_REL_TOL)

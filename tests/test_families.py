@@ -283,6 +283,19 @@ def test_unknown_layer_type_is_refused_by_name():
         HFEngine(model, _groups(model))
 
 
+def test_deepseek_v4_is_refused_naming_its_compressed_attention():
+    import transformers as T
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = T.DeepseekV4ForCausalLM(T.DeepseekV4Config(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=1)).eval()
+    with pytest.raises(HsxError, match=r"target model \(deepseek_v4\): layer 0 is of type 'heavily_compressed_attention': "
+                                       r"its compressor keeps compressed keys in transformers' own cache layers"):
+        HFEngine(model, parse_layers("final", ModelShape.from_config(model.config)))
+
+
 def test_attention_implementation_that_ignores_masks_is_refused():
     model = copy.deepcopy(cached("gemma3"))
     model.config._attn_implementation = "flex_attention"
@@ -297,12 +310,14 @@ def test_model_without_a_final_norm_is_refused():
         HFEngine(model, _groups(model))
 
 
-def test_norm_that_does_not_feed_lm_head_is_refused():
+def test_a_norm_that_does_not_feed_lm_head_is_not_taken_for_the_final_norm():
     model = copy.deepcopy(cached("llama"))
-    # a norm registered after the blocks that the forward never calls: the layout check catches it
+    # a norm registered after the blocks that the forward never calls: the 4-token forward passes it over
     model.model.add_module("unused_norm", torch.nn.LayerNorm(model.config.hidden_size))
-    with pytest.raises(HsxError, match=r"\(llama\): the engine's layer boundaries do not hold.*ran 0 times"):
-        HFEngine(model, _groups(model))
+    assert find_layout(model).final_norm == "model.norm"
+    groups = _groups(model)
+    (sample,) = HFEngine(model, groups, store_dtype=torch.float32).prefill(prompts((6,)))
+    check_oracle(model, sample, groups, teacher_forced=True)
 
 
 # ---- hsx extract on hybrid families ----------------------------------------------------------

@@ -32,6 +32,14 @@ from hsx.errors import HsxError
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 LINEAR, CONV, HYBRID = "linear_attention", "conv", "hybrid"
 DUMMY = "dummy"  # transformers' cache kind of a layer that reuses another's keys and values, or has no attention
+# layer kinds refused, and why (the message names them; any other unknown kind is refused too)
+NOT_YET = {
+    "compressed_sparse_attention": "its compressor and indexer keep compressed keys in transformers' own cache "
+                                   "layers, which the engine's per-row slot cache does not drive yet",
+    "heavily_compressed_attention": "its compressor keeps compressed keys in transformers' own cache layers, which "
+                                    "the engine's per-row slot cache does not drive yet",
+    "hybrid_sliding": "a recurrent mixer beside sliding attention in one layer is not wired yet",
+}
 # layer kinds with a recurrent state, and the mask keys each one's model reads: a hybrid layer (Mamba-2 and
 # attention side by side, Falcon-H1) reads the full-attention mask and the linear-attention one
 RECURRENT = {LINEAR: (LINEAR,), CONV: (CONV,), HYBRID: (FULL, LINEAR)}
@@ -99,7 +107,8 @@ class AttentionPlan:
                         recurrent[key] = None
                 continue
             if kind not in (FULL, SLIDING, CHUNKED):
-                raise HsxError(f"{what} ({name}): layer {i} is of type {kind!r}; the transformers engine implements "
+                why = f": {NOT_YET[kind]}" if kind in NOT_YET else ""
+                raise HsxError(f"{what} ({name}): layer {i} is of type {kind!r}{why}; the transformers engine implements "
                                f"{FULL!r}, {SLIDING!r}, {CHUNKED!r} and recurrent ({', '.join(map(repr, RECURRENT))}) "
                                f"layers only")
             if kind == CHUNKED and getattr(config, "layer_types", None) is None:

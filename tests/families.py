@@ -54,6 +54,14 @@ FAMILIES = {
     "gemma4": (T.Gemma4TextConfig, T.Gemma4ForCausalLM,
                {"head_dim": 16, "sliding_window": WINDOW, "layer_types": ALTERNATING, "vocab_size_per_layer_input": VOCAB,
                 "hidden_size_per_layer_input": 16, "num_kv_shared_layers": 2}),
+    # hyper-connections (4 streams between blocks), heavily compressed and compressed sparse attention, hash-routed
+    # MoE in the first three blocks: prefill only (hsx.engine.families.CACHELESS)
+    "deepseek_v4": (T.DeepseekV4Config, T.DeepseekV4ForCausalLM,
+                    {"num_key_value_heads": 1, "head_dim": 32, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16,
+                     "index_n_heads": 2, "index_head_dim": 16, "index_topk": 4, "sliding_window": WINDOW,
+                     "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+                     "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                     "bos_token_id": 1, "eos_token_id": 2}),
     # MLA with as many kv heads as query heads (real checkpoints), a dense first block then MoE
     "deepseek_v3": (T.DeepseekV3Config, T.DeepseekV3ForCausalLM,
                     {"num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8,
@@ -91,6 +99,8 @@ FAMILIES = {
 DRAFT_SCALE = {"gemma2": 0.1, "gemma3": 0.2, "gpt2": 0.2, "gpt_neox": 0.1}
 # families whose attention has a window shorter than the test sequences
 WINDOWED = ("mistral", "phi3", "gemma2", "gemma3", "gpt_oss", "mimo_v2_flash", "gemma4")
+# families run in prefill mode only (compressed attention keeps its keys in transformers' own cache)
+PREFILL_ONLY = ("deepseek_v4",)
 # families with chunked attention layers, chunks of WINDOW positions
 CHUNKED = ("llama4_text",)
 # families with recurrent layers (linear attention, short convolutions, Mamba-2): chains only, right padding

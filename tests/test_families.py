@@ -19,7 +19,7 @@ import functools
 import pytest
 import torch
 
-from families import DRAFT_SCALE, FAMILIES, RECURRENT, VOCAB, WINDOW, WINDOWED, build, cached, rel_tol
+from families import DRAFT_SCALE, FAMILIES, PREFILL_ONLY, RECURRENT, VOCAB, WINDOW, WINDOWED, build, cached, rel_tol
 from hsx.align import ModelShape, parse_layers
 from hsx.demo.models import perturbed_copy
 from hsx.engine.hf import HFEngine, SamplingSettings, SpecSettings
@@ -37,14 +37,17 @@ LENGTHS, MAX_NEW = (1, 6, 14), 10  # prompts shorter and longer than the window,
 ALL = list(FAMILIES)
 
 
-def supported(family: str, mode: str, padding: str = "right") -> bool:
-    """Recurrent families draft chains and pad on the right (the rest is refused: tests/test_recurrent.py)."""
+def supported(family: str, mode: str, padding: str = "right", generate: bool = True) -> bool:
+    """Recurrent families draft chains and pad on the right (the rest is refused: tests/test_recurrent.py);
+    DeepSeek-V4 runs prefill only, right-padded (test_deepseek_v4_...)."""
+    if family in PREFILL_ONLY:
+        return not generate and padding == "right"
     return family not in RECURRENT or (mode != "tree" and padding == "right")
 
 
 PADDINGS = ("right", "left")
 GENERATE_CASES = [(f, m, p) for f in ALL for m in SPECS for p in PADDINGS if supported(f, m, p)]
-PREFILL_CASES = [(f, p) for f in ALL for p in PADDINGS if supported(f, "plain", p)]
+PREFILL_CASES = [(f, p) for f in ALL for p in PADDINGS if supported(f, "plain", p, generate=False)]
 SPEC_CASES = [(f, m) for f in ALL for m in ("chain", "tree") if supported(f, m)]
 
 
@@ -63,8 +66,10 @@ def draft(family: str):
 
 
 def groups_for(model):
-    # boundaries 0 and L, a middle one, final, and eagle3 ids [0, 2, 3] -> boundaries (1, 3, 4)
-    return parse_layers("final,eagle3,0,2,4", ModelShape.from_config(model.config), eagle3_ids=[0, 2, 3])
+    # boundaries 0 and L, a middle one, final, and eagle3 ids [0, 2, 3] -> boundaries (1, 3, 4); no final on a
+    # hyper-connection model (one collapsed stream, refused: test_deepseek_v4_...)
+    shape = ModelShape.from_config(model.config)
+    return parse_layers("eagle3,0,2,4" if shape.hc_mult > 1 else "final,eagle3,0,2,4", shape, eagle3_ids=[0, 2, 3])
 
 
 def engine(family: str, mode: str = "plain", padding: str = "right") -> HFEngine:
@@ -190,6 +195,8 @@ def _embedding_rows(family, model, ids):
         rows = rows * torch.tensor(model.config.hidden_size ** 0.5, dtype=rows.dtype)
     if family == "falcon_h1":  # muP: a multiplier on the embedding
         rows = rows * model.config.embedding_multiplier
+    if family == "deepseek_v4":  # every hyper-connection stream starts as the embedding
+        rows = rows.repeat(1, model.config.hc_mult)
     return rows
 
 
@@ -283,17 +290,47 @@ def test_unknown_layer_type_is_refused_by_name():
         HFEngine(model, _groups(model))
 
 
-def test_deepseek_v4_is_refused_naming_its_compressed_attention():
-    import transformers as T
+def test_deepseek_v4_boundaries_are_its_streams_in_order():
+    # every boundary is the 4 hyper-connection streams, [T, 4, 64] flattened stream by stream to 256; boundary L
+    # is the last block's streams, before hc_head collapses them into the final norm's input
+    model = cached("deepseek_v4")
+    shape = ModelShape.from_config(model.config)
+    assert (shape.hc_mult, shape.hidden_size, shape.unit_width) == (4, 64, 256)
+    groups = parse_layers("eagle3,0,2,4", shape, eagle3_ids=[0, 2, 3])
+    assert [g.width for g in groups] == [768, 256, 256, 256]
+    ids = prompts((13,))[0][1]
+    (sample,) = HFEngine(model, groups, store_dtype=torch.float32).prefill([("s", ids)])
+    outputs = {}
+    hooks = [layer.register_forward_hook(lambda m, a, out, b=i + 1: outputs.__setitem__(b, out[0]))
+             for i, layer in enumerate(model.model.layers)]
+    hooks.append(model.model.hc_head.register_forward_pre_hook(lambda m, a: outputs.__setitem__("hc_in", a[0][0])))
+    with torch.no_grad():
+        model(input_ids=ids[None])
+    for h in hooks:
+        h.remove()
+    assert torch.equal(outputs["hc_in"], outputs[4])  # the collapse reads the last block's streams
+    for column, b in (("b2", 2), ("b4", 4)):
+        for stream in range(4):
+            got = sample.hidden[column][:, 64 * stream: 64 * (stream + 1)]
+            want = outputs[b][:, stream]
+            assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max()), (column, stream)
+    # the eagle3 column is its three boundaries side by side, each all four streams
+    assert torch.equal(sample.hidden["eagle3"][:, 512:], sample.hidden["b4"])
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = T.DeepseekV4ForCausalLM(T.DeepseekV4Config(
-            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=1)).eval()
-    with pytest.raises(HsxError, match=r"target model \(deepseek_v4\): layer 0 is of type 'heavily_compressed_attention': "
+
+def test_deepseek_v4_decoding_final_and_chunks_are_refused_naming_the_kind():
+    model = cached("deepseek_v4")
+    shape = ModelShape.from_config(model.config)
+    boundaries = parse_layers("0,4", shape)
+    why = r"'heavily_compressed_attention' layers run in prefill mode only"
+    with pytest.raises(HsxError, match=rf"target model \(deepseek_v4\): {why} \(generate decodes through a cache\): "
                                        r"its compressor keeps compressed keys in transformers' own cache layers"):
-        HFEngine(model, parse_layers("final", ModelShape.from_config(model.config)))
+        HFEngine(model, boundaries).generate(prompts((4,)), SamplingSettings(max_new_tokens=2))
+    for kw in ({"prefill_chunk": 4}, {"draft_model": cached("deepseek_v4"), "spec": CHAIN}, {"padding_side": "left"}):
+        with pytest.raises(HsxError, match=rf"target model \(deepseek_v4\): {why}, one forward per batch"):
+            HFEngine(model, boundaries, **kw)
+    with pytest.raises(HsxError, match=r"'final' on a model with 4 hyper-connection streams is one collapsed stream"):
+        HFEngine(model, parse_layers("final", shape))
 
 
 def test_attention_implementation_that_ignores_masks_is_refused():

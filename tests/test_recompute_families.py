@@ -18,7 +18,7 @@ import torch
 from typer.testing import CliRunner
 
 import hsx
-from families import DRAFT_SCALE, RECURRENT, build
+from families import DRAFT_SCALE, PREFILL_ONLY, RECURRENT, build
 from hsx.cli import app
 from hsx.config import ExtractConfig
 from hsx.demo.models import perturbed_copy
@@ -27,7 +27,8 @@ from hsx.run.pipeline import extract
 from oracle import oracle_sources
 from shard_fixtures import rewrite
 
-FAMILIES_2026 = (*RECURRENT, "deepseek_v3", "glm4_moe", "minimax_m2", "mimo_v2_flash", "llama4_text", "gemma4")
+FAMILIES_2026 = (*RECURRENT, "deepseek_v3", "glm4_moe", "minimax_m2", "mimo_v2_flash", "llama4_text", "gemma4",
+                 "deepseek_v4")
 ROWS = [
     {"id": "tides", "messages": [{"role": "user", "content": "How do tides work, and why are there two a day?"}]},
     {"id": "river", "text": "The river ran past the old mill and under the stone bridge to the sea."},
@@ -66,10 +67,13 @@ def _clean(root, family: str):
         tok.save_pretrained(root / family / name)
     data = root / family / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    extract(ExtractConfig(model=str(root / family / "target"), draft_model=str(root / family / "draft"),
-                          dataset=str(data), output=str(out), id_field="id", dtype="float32", model_dtype="float32",
-                          layers="final,eagle3,0", max_new_tokens=10, batch_size=3, spec_num_steps=3, spec_topk=1,
-                          spec_num_draft_tokens=4), progress=False)
+    if family in PREFILL_ONLY:  # every boundary its 4 streams; no final, no decoding (tests/test_families.py)
+        run = dict(mode="prefill", layers="eagle3,0")
+    else:
+        run = dict(draft_model=str(root / family / "draft"), layers="final,eagle3,0", max_new_tokens=10,
+                   spec_num_steps=3, spec_topk=1, spec_num_draft_tokens=4)
+    extract(ExtractConfig(model=str(root / family / "target"), dataset=str(data), output=str(out), id_field="id",
+                          dtype="float32", model_dtype="float32", batch_size=3, **run), progress=False)
     return target, out
 
 

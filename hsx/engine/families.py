@@ -33,12 +33,14 @@ FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attenti
 LINEAR, CONV, HYBRID = "linear_attention", "conv", "hybrid"
 DUMMY = "dummy"  # transformers' cache kind of a layer that reuses another's keys and values, or has no attention
 # layer kinds refused, and why (the message names them; any other unknown kind is refused too)
-NOT_YET = {
+NOT_YET = {"hybrid_sliding": "a recurrent mixer beside sliding attention in one layer is not wired yet"}
+# layer kinds the engine runs only in a forward without a cache (prefill in one forward per batch): their
+# masks are the sliding window's, their compressed keys come from the forward's own tokens
+CACHELESS = {
     "compressed_sparse_attention": "its compressor and indexer keep compressed keys in transformers' own cache "
                                    "layers, which the engine's per-row slot cache does not drive yet",
     "heavily_compressed_attention": "its compressor keeps compressed keys in transformers' own cache layers, which "
                                     "the engine's per-row slot cache does not drive yet",
-    "hybrid_sliding": "a recurrent mixer beside sliding attention in one layer is not wired yet",
 }
 # layer kinds with a recurrent state, and the mask keys each one's model reads: a hybrid layer (Mamba-2 and
 # attention side by side, Falcon-H1) reads the full-attention mask and the linear-attention one
@@ -70,6 +72,7 @@ class AttentionPlan:
     windows: dict
     per_type: bool
     recurrent: tuple = ()  # mask keys of recurrent layers: they get None (no mask, no padding)
+    cacheless: tuple = ()  # layer kinds run only without a cache (CACHELESS): prefill in one forward per batch
     state_kinds: tuple = ()  # the layer kinds that keep a recurrent state, e.g. ("linear_attention",)
 
     @property
@@ -95,8 +98,12 @@ class AttentionPlan:
         windows: dict = {}
         recurrent: dict = {}
         state_kinds: dict = {}
+        cacheless: dict = {}
         for i, (kind, kw) in enumerate(zip(types, kwargs)):
             if kind == DUMMY:  # no cache of its own: reads another layer's keys (Gemma 4) or has no attention
+                continue
+            if kind in CACHELESS:
+                windows[kind], cacheless[kind] = int(config.sliding_window), None
                 continue
             if kind in RECURRENT:
                 state_kinds[kind] = None
@@ -125,7 +132,7 @@ class AttentionPlan:
         if not per_type and len(windows) > 1:
             raise HsxError(f"{what} ({name}): full and sliding layers without a layer_types list: the model takes "
                            f"one mask for all layers, which cannot express both")
-        return AttentionPlan(windows, per_type, tuple(recurrent), tuple(state_kinds))
+        return AttentionPlan(windows, per_type, tuple(recurrent), tuple(cacheless), tuple(state_kinds))
 
     def masks(self, visible: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype):
         """The ``attention_mask`` argument for ``visible [B, q, K]``, queries at ``q_pos [B, q]`` and keys
@@ -176,6 +183,9 @@ class Layout:
 
     blocks: str  # e.g. "model.layers", "transformer.h"
     final_norm: str  # e.g. "model.norm", "transformer.ln_f"
+    # hyper-connection models: the module collapsing the last block's hc_mult streams into the final
+    # norm's input (DeepSeek-V4's "model.hc_head"); boundary L is then the last block's output
+    collapse: str | None = None
 
     def norm(self, model) -> torch.nn.Module:
         return model.get_submodule(self.final_norm)
@@ -206,7 +216,37 @@ def find_layout(model, what: str = "model") -> Layout:
     if not norms:
         raise HsxError(f"{what} ({name}): no normalisation module after the decoder blocks {blocks!r}; boundary L "
                        f"(the final norm's input) and 'final' cannot be captured")
-    return Layout(blocks, norms[-1] if len(norms) == 1 else _feeding_lm_head(model, norms))
+    norm = norms[-1] if len(norms) == 1 else _feeding_lm_head(model, norms)
+    return Layout(blocks, norm, _collapse(model, blocks, norm) if hc_mult(model) > 1 else None)
+
+
+def hc_mult(model) -> int:
+    """Parallel residual streams between blocks (hyper-connections, DeepSeek-V4); 1 elsewhere."""
+    return int(getattr(_text_config(model), "hc_mult", None) or 1)
+
+
+def _collapse(model, blocks: str, norm: str) -> str | None:
+    """The module beside the blocks that receives the last block's output and returns the final norm's input,
+    found on a 4-token forward (None when there is none: :func:`check_layout` then says so)."""
+    parent = model.get_submodule(blocks.rpartition(".")[0])
+    prefix = blocks.rpartition(".")[0]
+    names = [f"{prefix}.{n}" for n, _ in parent.named_children() if f"{prefix}.{n}" not in (blocks, norm)]
+    rec = _Recorder()
+    last = model.get_submodule(blocks)[-1]
+    hooks = [last.register_forward_hook(rec.grab("last"))]
+    hooks.append(model.get_submodule(norm).register_forward_pre_hook(rec.grab("norm_in", output=False)))
+    for n in names:
+        hooks += [model.get_submodule(n).register_forward_pre_hook(rec.grab(f"in:{n}", output=False)),
+                  model.get_submodule(n).register_forward_hook(rec.grab(f"out:{n}"))]
+    try:
+        with torch.inference_mode():
+            model(input_ids=_probe_ids(model, next(model.parameters()).device), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    found = [n for n in names if rec.seen[f"in:{n}"] and rec.seen["last"] and rec.seen["norm_in"]
+             and _same(rec.seen[f"in:{n}"][0], rec.seen["last"][0]) and _same(rec.seen[f"out:{n}"][0], rec.seen["norm_in"][0])]
+    return found[0] if len(found) == 1 else None
 
 
 def _feeding_lm_head(model, norms: list[str]) -> str:
@@ -252,6 +292,12 @@ def check_layout(model, layout: Layout, what: str = "model") -> None:
     hooks += [layout.norm(model).register_forward_hook(rec.grab("norm_in", output=False)),
               layout.norm(model).register_forward_hook(rec.grab("norm_out")),
               head.register_forward_pre_hook(rec.grab("head_in", output=False))]
+    if layout.collapse is not None:
+        hooks += [model.get_submodule(layout.collapse).register_forward_hook(rec.grab("collapse_in", output=False)),
+                  model.get_submodule(layout.collapse).register_forward_hook(rec.grab("collapse_out"))]
+    elif hc_mult(model) > 1:
+        raise HsxError(f"{what} ({name}): {hc_mult(model)} hyper-connection streams, and no module found that "
+                       f"collapses the last block's streams into {layout.final_norm}'s input")
     try:
         with torch.inference_mode():
             hs = model(input_ids=_probe_ids(model, head.weight.device), output_hidden_states=True,
@@ -261,7 +307,7 @@ def check_layout(model, layout: Layout, what: str = "model") -> None:
             h.remove()
     num_layers = len(blocks)
     labels = {"first_in": "the first block", "norm_in": layout.final_norm, "norm_out": layout.final_norm,
-              "head_in": "lm_head"}
+              "head_in": "lm_head", "collapse_in": layout.collapse, "collapse_out": layout.collapse}
     ran = {labels.get(k, f"block {k.removeprefix('block')}"): len(v) for k, v in rec.seen.items()}
     problems = [f"{k} ran {n} times, expected once" for k, n in ran.items() if n != 1]
     if hs is None or len(hs) != num_layers + 1:
@@ -270,9 +316,14 @@ def check_layout(model, layout: Layout, what: str = "model") -> None:
         pairs = [("hidden_states[0]", hs[0], "the first block's input", rec.one("first_in"))]
         pairs += [(f"hidden_states[{b}]", hs[b], f"block {b - 1}'s output", rec.one(f"block{b - 1}"))
                   for b in range(1, num_layers)]
-        pairs += [(f"{layout.final_norm}'s input", rec.one("norm_in"), "the last block's output",
-                   rec.one(f"block{num_layers - 1}")),
-                  ("lm_head's input", rec.one("head_in"), f"{layout.final_norm}'s output", rec.one("norm_out"))]
+        last = ("the last block's output", rec.one(f"block{num_layers - 1}"))
+        if layout.collapse is not None:  # streams -> collapse -> norm
+            pairs += [(f"{layout.collapse}'s input", rec.one("collapse_in"), *last),
+                      (f"{layout.final_norm}'s input", rec.one("norm_in"), f"{layout.collapse}'s output",
+                       rec.one("collapse_out"))]
+        else:
+            pairs += [(f"{layout.final_norm}'s input", rec.one("norm_in"), *last)]
+        pairs += [("lm_head's input", rec.one("head_in"), f"{layout.final_norm}'s output", rec.one("norm_out"))]
         problems = [f"{a} is not {b}" for a, x, b, y in pairs
                     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor)
                     or x.shape != y.shape or not torch.equal(x, y)]

@@ -46,6 +46,8 @@ class Reference:
     decoder: torch.nn.Module  # the module holding the blocks and the final norm, without lm_head
     norm: torch.nn.Module  # the final norm: its input is boundary L
     recurrent: bool = False  # some layers keep a recurrent state (linear attention, convolutions, Mamba-2)
+    # hyper-connection models (DeepSeek-V4): boundary L is the last block's streams, not the norm's input
+    last_block: torch.nn.Module | None = None
 
     @staticmethod
     def load(path: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False) -> "Reference":
@@ -66,8 +68,9 @@ class Reference:
         layout = find_layout(model, "model for the recompute")
         check_layout(model.eval(), layout, "model for the recompute")
         decoder = model.get_submodule(layout.blocks.rpartition(".")[0])
+        last_block = None if layout.collapse is None else model.get_submodule(layout.blocks)[-1]
         return Reference(model, ModelShape.from_config(model.config), p.device, p.dtype, decoder, layout.norm(model),
-                         has_recurrent_layers(model))
+                         has_recurrent_layers(model), last_block)
 
     def states(self, input_ids: Sequence[torch.Tensor], sources: Sequence[int | str]) -> dict:
         """``{source: [B, T, H] float32}`` for the sequences ``input_ids`` (T = the longest), on ``self.device``.
@@ -115,7 +118,13 @@ class Reference:
         def keep_input(module, args):  # returns None: a pre-hook's return value would replace the input
             box["pre"] = args[0]
 
-        handle = self.norm.register_forward_pre_hook(keep_input)
+        def keep_output(module, args, output):
+            box["pre"] = output[0] if isinstance(output, tuple) else output
+
+        if self.last_block is not None:  # the streams before their collapse
+            handle = self.last_block.register_forward_hook(keep_output)
+        else:
+            handle = self.norm.register_forward_pre_hook(keep_input)
         try:  # the decoder without lm_head: no [B, T, vocab] logits are made
             with torch.inference_mode():
                 out = self.decoder(**inputs, output_hidden_states=True)
@@ -128,6 +137,8 @@ class Reference:
         def pick(s):
             if s == FINAL:
                 return hs[num_layers]
-            return box["pre"] if s == num_layers else hs[s]
+            state = box["pre"] if s == num_layers else hs[s]
+            # hyper-connection streams [B, T, hc_mult, hidden], flattened stream by stream as the engines store them
+            return state.flatten(2) if state.dim() == 4 else state
 
         return {s: pick(s).float() for s in dict.fromkeys(sources)}

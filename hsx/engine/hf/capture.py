@@ -9,11 +9,17 @@ tensors alone (docs/FORMAT.md, "Layer boundaries"):
 * boundary b, ``1 <= b < L``, is block b-1's output (its first element when a block returns a tuple);
 * boundary L is the final norm's input, ``final`` its output (lm_head's input).
 
+On a hyper-connection model (DeepSeek-V4, ``hc_mult`` streams ``[B, q, hc_mult, hidden]`` between
+blocks) a boundary is all the streams, flattened stream by stream to ``hc_mult * hidden`` (stream
+0's values first; SGLang's ``spec_hidden_size``), and boundary L is the last block's output, before
+the module that collapses the streams into the final norm's input.
+
 These are the tensors transformers' own ``hidden_states`` are made of (it records them with hooks
 on the same blocks), so the rows are the same bits; :func:`hsx.engine.families.check_layout` proves
 each of these points against ``hidden_states`` on one short forward before the engine is used (and
-that the last block's output is the final norm's input). A tensor is kept as the module hands it
-over, never reshaped: its width is checked against the column's when the rows are collected.
+that the last block's output is the final norm's input, or its collapse's). A tensor is kept as
+the module hands it over, never reshaped (streams are only flattened, a view of the same values):
+its width is checked against the column's when the rows are collected.
 """
 
 from __future__ import annotations
@@ -96,6 +102,12 @@ def forward(driven: Driven, input_ids, q_pos, k_pos, visible, cache, **extra):
     )
 
 
+def _streams_flat(state):
+    """``[B, q, hc_mult, hidden]`` hyper-connection streams as ``[B, q, hc_mult * hidden]``, stream 0 first
+    (a view); any other tensor as it is."""
+    return state.flatten(2) if isinstance(state, torch.Tensor) and state.dim() == 4 else state
+
+
 class Capture:
     """Forward hooks keeping the boundaries ``sources`` (ints and FINAL) of the forwards run inside ``with``.
 
@@ -118,7 +130,9 @@ class Capture:
             self.handles.append(blocks[0].register_forward_pre_hook(self._keep_input(0)))
         for b in sorted(s for s in wanted if s != FINAL and 0 < s < self.num_layers):
             self.handles.append(blocks[b - 1].register_forward_hook(self._keep_output(b)))
-        if self.num_layers in wanted:
+        if self.num_layers in wanted and self.layout.collapse is not None:  # the streams, before their collapse
+            self.handles.append(blocks[-1].register_forward_hook(self._keep_output(self.num_layers)))
+        elif self.num_layers in wanted:
             self.handles.append(norm.register_forward_pre_hook(self._keep_input(self.num_layers)))
         if FINAL in wanted:
             self.handles.append(norm.register_forward_hook(self._keep_output(FINAL)))
@@ -131,13 +145,13 @@ class Capture:
 
     def _keep_input(self, source):
         def hook(module, args):  # returns None: a pre-hook's return value would replace the input
-            self.states[source] = args[0] if args else None
+            self.states[source] = _streams_flat(args[0]) if args else None
 
         return hook
 
     def _keep_output(self, source):
         def hook(module, args, output):
-            self.states[source] = output[0] if isinstance(output, tuple) else output
+            self.states[source] = _streams_flat(output[0] if isinstance(output, tuple) else output)
 
         return hook
 

@@ -228,9 +228,9 @@ def hc_mult(model) -> int:
 def _collapse(model, blocks: str, norm: str) -> str | None:
     """The module beside the blocks that receives the last block's output and returns the final norm's input,
     found on a 4-token forward (None when there is none: :func:`check_layout` then says so)."""
-    parent = model.get_submodule(blocks.rpartition(".")[0])
     prefix = blocks.rpartition(".")[0]
-    names = [f"{prefix}.{n}" for n, _ in parent.named_children() if f"{prefix}.{n}" not in (blocks, norm)]
+    names = [f"{prefix}.{n}" for n, _ in model.get_submodule(prefix).named_children()]
+    names = [n for n in names if n not in (blocks, norm)]
     rec = _Recorder()
     last = model.get_submodule(blocks)[-1]
     hooks = [last.register_forward_hook(rec.grab("last"))]
@@ -244,8 +244,9 @@ def _collapse(model, blocks: str, norm: str) -> str | None:
     finally:
         for h in hooks:
             h.remove()
-    found = [n for n in names if rec.seen[f"in:{n}"] and rec.seen["last"] and rec.seen["norm_in"]
-             and _same(rec.seen[f"in:{n}"][0], rec.seen["last"][0]) and _same(rec.seen[f"out:{n}"][0], rec.seen["norm_in"][0])]
+    last_out, norm_in = rec.seen["last"][:1], rec.seen["norm_in"][:1]
+    found = [n for n in names if rec.seen[f"in:{n}"] and last_out and norm_in
+             and _same(rec.seen[f"in:{n}"][0], last_out[0]) and _same(rec.seen[f"out:{n}"][0], norm_in[0])]
     return found[0] if len(found) == 1 else None
 
 

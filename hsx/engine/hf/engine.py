@@ -38,7 +38,7 @@ from hsx.engine.families import CACHELESS, FULL, AttentionPlan, load_causal_lm, 
 from hsx.heads.load import Eagle3Head, head_kind, load_eagle3_head
 from hsx.engine.hf.batch_state import BatchState, admissible
 from hsx.engine.hf.kv import KV
-from hsx.engine.hf.kv import SlotLayer as _SlotLayer  # noqa: F401  (the cache layer, reached by tests under this name)
+from hsx.engine.hf.slots import SlotLayer as _SlotLayer  # noqa: F401  (the cache layer, reached by tests under this name)
 from hsx.heads.layer_ids import HF_READING, resolve_head_layers, sglang_boundaries
 from hsx.engine.hf.prompt_batch import PromptRows, pad_prompts, prompt_block, prompt_chunks, prompt_positions
 from hsx.engine.hf.tree import DraftTree

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from hsx.engine.hf.capture import Driven, forward
-from hsx.engine.hf.slots import SlotCache, SlotLayer
+from hsx.engine.hf.slots import SlotCache
 from hsx.engine.hf.state import StateCache
 
 

@@ -7,7 +7,8 @@ each token of such a forward and gives each row the one after its accepted token
 (hsx.engine.hf.state). Here that state is compared with transformers' own forward over the
 accepted tokens alone, per layer and per row, with a control that keeps the rejected drafts and
 must differ; then whole runs against the oracle past every chunk of the recurrence, prefilled in
-chunks, drafted by an EAGLE3 head; then what is refused.
+chunks, drafted by an EAGLE3 head, under continuous batching (a waiting request takes a finished
+row); then what is refused.
 """
 
 from __future__ import annotations

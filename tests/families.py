@@ -16,6 +16,10 @@ NUM_LAYERS, HIDDEN, VOCAB, WINDOW = 4, 64, 256, 5
 HYBRID = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
 ALTERNATING = ["sliding_attention", "full_attention"] * (NUM_LAYERS // 2)
 
+# linear attention (Gated DeltaNet, KDA) first and third, full attention second and fourth
+GDN = ["linear_attention", "full_attention"] * (NUM_LAYERS // 2)
+_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
+
 _COMMON = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=NUM_LAYERS,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
                initializer_range=0.3)  # wide weights: at 0.02 several families decode one token over and over
@@ -41,12 +45,77 @@ FAMILIES = {
              {"n_layer": NUM_LAYERS, "n_embd": HIDDEN, "n_head": 4, "n_positions": 512, "vocab_size": VOCAB,
               "initializer_range": 0.3, "tie_word_embeddings": False}),
     "gpt_neox": (T.GPTNeoXConfig, T.GPTNeoXForCausalLM, {}),
+    # chunked attention (chunks of WINDOW positions) on three layers, NoPE full attention on the fourth; MoE
+    "llama4_text": (T.Llama4TextConfig, T.Llama4ForCausalLM,
+                    {"head_dim": 16, "attention_chunk_size": WINDOW, "num_local_experts": 4, "num_experts_per_tok": 1,
+                     "intermediate_size_mlp": 2 * HIDDEN}),
+    # per-layer input embeddings beside the residual stream; the last two layers reuse the keys and values of
+    # the last earlier layer of their type (num_kv_shared_layers)
+    "gemma4": (T.Gemma4TextConfig, T.Gemma4ForCausalLM,
+               {"head_dim": 16, "sliding_window": WINDOW, "layer_types": ALTERNATING, "vocab_size_per_layer_input": VOCAB,
+                "hidden_size_per_layer_input": 16, "num_kv_shared_layers": 2}),
+    # hyper-connections (4 streams between blocks), heavily compressed and compressed sparse attention, hash-routed
+    # MoE in the first three blocks: prefill only (hsx.engine.families.CACHELESS)
+    "deepseek_v4": (T.DeepseekV4Config, T.DeepseekV4ForCausalLM,
+                    {"num_key_value_heads": 1, "head_dim": 32, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16,
+                     "index_n_heads": 2, "index_head_dim": 16, "index_topk": 4, "sliding_window": WINDOW,
+                     "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+                     "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                     "bos_token_id": 1, "eos_token_id": 2}),
+    # MLA with as many kv heads as query heads (real checkpoints), a dense first block then MoE
+    "deepseek_v3": (T.DeepseekV3Config, T.DeepseekV3ForCausalLM,
+                    {"num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 8,
+                     "qk_nope_head_dim": 16, "v_head_dim": 16, "moe_intermediate_size": 32, "n_routed_experts": 4,
+                     "num_experts_per_tok": 2, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}),
+    "glm4_moe": (T.Glm4MoeConfig, T.Glm4MoeForCausalLM,
+                 {"head_dim": 16, "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                  "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}),
+    "minimax_m2": (T.MiniMaxM2Config, T.MiniMaxM2ForCausalLM,
+                   {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "bos_token_id": 1,
+                    "eos_token_id": 2}),
+    # sliding layers with sinks beside full ones, value head narrower than the query/key head; eager
+    "mimo_v2_flash": (T.MiMoV2FlashConfig, T.MiMoV2FlashForCausalLM,
+                      {"head_dim": 24, "v_head_dim": 16, "sliding_window": WINDOW, "layer_types": ALTERNATING[::-1],
+                       "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2}),
+    # recurrent layers beside attention (hsx.engine.hf.state)
+    "qwen3_5": (T.Qwen3_5TextConfig, T.Qwen3_5ForCausalLM, {"head_dim": 16, "layer_types": GDN, **_LINEAR}),
+    "qwen3_next": (T.Qwen3NextConfig, T.Qwen3NextForCausalLM,
+                   {"head_dim": 16, "layer_types": GDN, **_LINEAR, "num_experts": 4, "num_experts_per_tok": 2,
+                    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32}),
+    "lfm2": (T.Lfm2Config, T.Lfm2ForCausalLM, {"layer_types": ["conv", "full_attention"] * (NUM_LAYERS // 2)}),
+    "falcon_h1": (T.FalconH1Config, T.FalconH1ForCausalLM,
+                  {"head_dim": 16, "mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16,
+                   "mamba_n_groups": 1, "mamba_chunk_size": 8, "embedding_multiplier": 2.0, "lm_head_multiplier": 0.5}),
+    # KDA linear attention beside MLA (as many kv heads as query heads, as in the real checkpoints), MoE
+    "kimi_linear": (T.KimiLinearConfig, T.KimiLinearForCausalLM,
+                    {"layer_types": GDN, "num_key_value_heads": 4, "pad_token_id": 0, "bos_token_id": 1,
+                     "eos_token_id": 2, "kv_lora_rank": 32, "q_lora_rank": None, "qk_rope_head_dim": 8,
+                     "qk_nope_head_dim": 16, "v_head_dim": 16, "linear_head_dim": 16, "linear_num_heads": 4,
+                     "moe_intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+                     "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"]}),
 }
 # how far a draft is moved from its target (demo.models.perturbed_copy) so that the test prompts
 # see drafts accepted and rejected, chains and trees alike (measured on these configs and seeds)
 DRAFT_SCALE = {"gemma2": 0.1, "gemma3": 0.2, "gpt2": 0.2, "gpt_neox": 0.1}
 # families whose attention has a window shorter than the test sequences
-WINDOWED = ("mistral", "phi3", "gemma2", "gemma3", "gpt_oss")
+WINDOWED = ("mistral", "phi3", "gemma2", "gemma3", "gpt_oss", "mimo_v2_flash", "gemma4")
+# families run in prefill mode only (compressed attention keeps its keys in transformers' own cache)
+PREFILL_ONLY = ("deepseek_v4",)
+# families with chunked attention layers, chunks of WINDOW positions
+CHUNKED = ("llama4_text",)
+# families with recurrent layers (linear attention, short convolutions, Mamba-2): chains only, right padding
+RECURRENT = ("qwen3_5", "qwen3_next", "lfm2", "falcon_h1", "kimi_linear")
+# Their oracle runs the chunked form of the recurrence over a whole sequence; a decode step runs the
+# recurrent form one token at a time and a prefill chunk restarts the chunking. fp32, transformers alone:
+# the model's own token-by-token decode differs from its own full forward by up to 4.2e-5 of the largest
+# state, its own prefill in chunks of 16 by up to 1.2e-4 (Qwen3-Next, a 70-token prompt; the engine's
+# chunked rows equal that chunked forward's bit for bit). Rows of these families are held to 3e-4 of the
+# largest reference value instead of 1e-5; a row of another position is off by O(1).
+RECURRENT_REL_TOL = 3e-4
+
+
+def rel_tol(family: str, default: float) -> float:
+    return RECURRENT_REL_TOL if family in RECURRENT else default
 
 
 def config(family: str, **kw):
@@ -54,6 +123,8 @@ def config(family: str, **kw):
     args = {} if family == "gpt2" else dict(_COMMON)
     args.update(extra)
     args.update(kw)
+    if "vocab_size_per_layer_input" in extra and "vocab_size_per_layer_input" not in kw:
+        args["vocab_size_per_layer_input"] = args["vocab_size"]  # Gemma 4: one per-layer embedding per token
     return config_cls(**args)
 
 

@@ -29,7 +29,7 @@ import torch
 from typer.testing import CliRunner
 
 import hsx
-from families import FAMILIES, VOCAB, cached
+from families import FAMILIES, PREFILL_ONLY, VOCAB, cached, rel_tol
 from hsx.align import ModelShape, parse_layers
 from hsx.cli import app
 from hsx.config import ExtractConfig
@@ -112,9 +112,9 @@ def chunk_size(name: str, one_forward) -> int:
     return {"one token": 1, "inside": INSIDE, "prompt": longest, "longer": longest + 9}[name]
 
 
-def close(got: torch.Tensor, want: torch.Tensor) -> tuple[bool, float]:
+def close(got: torch.Tensor, want: torch.Tensor, rel: float = REL_TOL) -> tuple[bool, float]:
     diff = float((got - want).abs().max()) if got.numel() else 0.0
-    return diff <= TOL + REL_TOL * (float(want.abs().max()) if want.numel() else 0.0), diff
+    return diff <= TOL + rel * (float(want.abs().max()) if want.numel() else 0.0), diff
 
 
 # ---- the grid --------------------------------------------------------------------------------
@@ -342,7 +342,7 @@ def test_draft_prefill_in_chunks_drafts_the_same(models, head_models, draft, chu
 
 # ---- every family --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in PREFILL_ONLY])
 def test_chunked_prefill_of_every_family_equals_the_oracle(family):
     # windows of 5 tokens (tests/families.py): chunks of 3 see keys across chunk boundaries, and drop them
     model = cached(family)
@@ -352,12 +352,12 @@ def test_chunked_prefill_of_every_family_equals_the_oracle(family):
     for sample, (rid, ids) in zip(eng.prefill(reqs), reqs):
         ref = oracle_rows(model, ids, groups)
         for g in groups:
-            ok, diff = close(sample.hidden[g.name], ref[g.name])
+            ok, diff = close(sample.hidden[g.name], ref[g.name], rel_tol(family, REL_TOL))
             assert ok, (family, rid, g.name, diff)
     for sample in eng.generate(prompts((14, 6), seed=5), SamplingSettings(max_new_tokens=6)):
         ids, n = sample.input_ids, sample.input_ids.numel()
         ref = oracle_rows(model, ids, groups)
-        assert all(close(sample.hidden[g.name], ref[g.name][: n - 1])[0] for g in groups), family
+        assert all(close(sample.hidden[g.name], ref[g.name][: n - 1], rel_tol(family, REL_TOL))[0] for g in groups), family
         with torch.no_grad():
             greedy = logits_of(model, oracle_sources(model, ids)["final"]).argmax(-1)
         assert torch.equal(ids[sample.prompt_len:], greedy[sample.prompt_len - 1: n - 1]), family

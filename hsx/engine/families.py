@@ -7,6 +7,11 @@ Two things differ between the families transformers ships and both decide whethe
   is within ``window - 1`` of the query's. The engine passes its own 4-D masks, which transformers
   uses as given, so the window must be in those masks: :class:`AttentionPlan` says which window
   each layer type has and whether the model takes one mask or one per layer type.
+* **Recurrent layers.** Gated DeltaNet and KDA linear attention (Qwen3.5, Qwen3-Next,
+  Kimi-Linear), LFM2's short convolutions and Falcon-H1's Mamba-2 (beside attention in one
+  ``hybrid`` layer) carry a state per row instead of a key and value per token. They take no
+  mask: the engine never lets padding or a rejected draft into their state
+  (:mod:`hsx.engine.hf.state`), and refuses what that rules out (draft trees).
 * **Where the final norm is.** ``model.norm`` (Llama, Qwen, Gemma, GPT-OSS),
   ``transformer.ln_f`` (GPT-2), ``gpt_neox.final_layer_norm`` (GPT-NeoX), ... :func:`find_layout`
   finds the decoder blocks and the final norm from the module tree, and :func:`check_layout`
@@ -24,7 +29,22 @@ import torch
 
 from hsx.errors import HsxError
 
-FULL, SLIDING = "full_attention", "sliding_attention"
+FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
+LINEAR, CONV, HYBRID = "linear_attention", "conv", "hybrid"
+DUMMY = "dummy"  # transformers' cache kind of a layer that reuses another's keys and values, or has no attention
+# layer kinds refused, and why (the message names them; any other unknown kind is refused too)
+NOT_YET = {"hybrid_sliding": "a recurrent mixer beside sliding attention in one layer is not wired yet"}
+# layer kinds the engine runs only in a forward without a cache (prefill in one forward per batch): their
+# masks are the sliding window's, their compressed keys come from the forward's own tokens
+CACHELESS = {
+    "compressed_sparse_attention": "its compressor and indexer keep compressed keys in transformers' own cache "
+                                   "layers, which the engine's per-row slot cache does not drive yet",
+    "heavily_compressed_attention": "its compressor keeps compressed keys in transformers' own cache layers, which "
+                                    "the engine's per-row slot cache does not drive yet",
+}
+# layer kinds with a recurrent state, and the mask keys each one's model reads: a hybrid layer (Mamba-2 and
+# attention side by side, Falcon-H1) reads the full-attention mask and the linear-attention one
+RECURRENT = {LINEAR: (LINEAR,), CONV: (CONV,), HYBRID: (FULL, LINEAR)}
 # attention implementations that add the engine's float 4-D mask to the scores as given
 MASKED_IMPLEMENTATIONS = ("eager", "sdpa")
 
@@ -47,8 +67,18 @@ class AttentionPlan:
     the others take a single mask used by every layer, so all their layers share one window.
     """
 
-    windows: dict  # layer type -> window (keys a query may see: q_pos - k_pos < window) or None
+    # layer type -> window (sliding: keys a query may see, q_pos - k_pos < window; chunked: the chunk
+    # size, keys in the query's chunk of positions, q_pos // size == k_pos // size) or None (full)
+    windows: dict
     per_type: bool
+    recurrent: tuple = ()  # mask keys of recurrent layers: they get None (no mask, no padding)
+    cacheless: tuple = ()  # layer kinds run only without a cache (CACHELESS): prefill in one forward per batch
+    state_kinds: tuple = ()  # the layer kinds that keep a recurrent state, e.g. ("linear_attention",)
+
+    @property
+    def stateful(self) -> bool:
+        """Some layers keep a recurrent state: rows must never carry padding or rejected tokens into it."""
+        return bool(self.state_kinds)
 
     @staticmethod
     def from_model(model, what: str) -> "AttentionPlan":
@@ -66,10 +96,32 @@ class AttentionPlan:
         # transformers' own reading of the config: it builds its caches from the same list
         types, kwargs = get_layer_types_and_kwargs(config)
         windows: dict = {}
+        recurrent: dict = {}
+        state_kinds: dict = {}
+        cacheless: dict = {}
         for i, (kind, kw) in enumerate(zip(types, kwargs)):
-            if kind not in (FULL, SLIDING):
-                raise HsxError(f"{what} ({name}): layer {i} is of type {kind!r}; the transformers engine implements "
-                               f"{FULL!r} and {SLIDING!r} layers only")
+            if kind == DUMMY:  # no cache of its own: reads another layer's keys (Gemma 4) or has no attention
+                continue
+            if kind in CACHELESS:
+                windows[kind], cacheless[kind] = int(config.sliding_window), None
+                continue
+            if kind in RECURRENT:
+                state_kinds[kind] = None
+                for key in RECURRENT[kind]:
+                    if key == FULL:
+                        windows[FULL] = None
+                    else:
+                        recurrent[key] = None
+                continue
+            if kind not in (FULL, SLIDING, CHUNKED):
+                why = f": {NOT_YET[kind]}" if kind in NOT_YET else ""
+                raise HsxError(f"{what} ({name}): layer {i} is of type {kind!r}{why}; the transformers engine implements "
+                               f"{FULL!r}, {SLIDING!r}, {CHUNKED!r} and recurrent ({', '.join(map(repr, RECURRENT))}) "
+                               f"layers only")
+            if kind == CHUNKED and getattr(config, "layer_types", None) is None:
+                raise HsxError(f"{what} ({name}): layer {i} is of type {kind!r} (from attention_chunk_size) but the "
+                               f"config lists no layer_types, so the model builds no chunked mask of its own to "
+                               f"match; refused rather than guessed")
             window = None if kind == FULL else int(kw["sliding_window"])
             if window is not None and window < 1:
                 raise HsxError(f"{what} ({name}): layer {i} has sliding_window {window}, expected >= 1")
@@ -80,7 +132,7 @@ class AttentionPlan:
         if not per_type and len(windows) > 1:
             raise HsxError(f"{what} ({name}): full and sliding layers without a layer_types list: the model takes "
                            f"one mask for all layers, which cannot express both")
-        return AttentionPlan(windows, per_type)
+        return AttentionPlan(windows, per_type, tuple(recurrent), tuple(cacheless), tuple(state_kinds))
 
     def masks(self, visible: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype):
         """The ``attention_mask`` argument for ``visible [B, q, K]``, queries at ``q_pos [B, q]`` and keys
@@ -88,10 +140,32 @@ class AttentionPlan:
         out = {}
         for kind, window in self.windows.items():
             see = visible
-            if window is not None:
+            if kind == CHUNKED:
+                see = see & ((q_pos[:, :, None] // window) == (k_pos[:, None, :] // window))  # [B, q, K]
+            elif window is not None:
                 see = see & ((q_pos[:, :, None] - k_pos[:, None, :]) < window)  # [B, q, K]
             out[kind] = _float_mask(see, dtype)
+        out.update(dict.fromkeys(self.recurrent))
         return out if self.per_type else next(iter(out.values()))
+
+
+def has_recurrent_layers(model) -> bool:
+    """Some layers keep a recurrent state instead of keys and values (transformers' reading of the config)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    return any(kind in RECURRENT for kind in get_layer_types_and_kwargs(_text_config(model))[0])
+
+
+def slot_limit(model) -> int | None:
+    """Cache slots per row within which the engine's rows are exact, where a model reads a cache slot as a
+    position (None: no such limit). Llama 4 scales the queries of its NoPE layers by
+    ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1`` with p counted in cache slots, not from
+    ``position_ids``: the scale is 1 at every p below ``floor_scale - 1``, in the engine's compacted
+    cache and in a plain forward alike."""
+    config = _text_config(model)
+    if getattr(config, "attn_temperature_tuning", False) and not all(getattr(config, "no_rope_layers", None) or [1]):
+        return int(config.floor_scale) - 1
+    return None
 
 
 def _float_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -109,6 +183,9 @@ class Layout:
 
     blocks: str  # e.g. "model.layers", "transformer.h"
     final_norm: str  # e.g. "model.norm", "transformer.ln_f"
+    # hyper-connection models: the module collapsing the last block's hc_mult streams into the final
+    # norm's input (DeepSeek-V4's "model.hc_head"); boundary L is then the last block's output
+    collapse: str | None = None
 
     def norm(self, model) -> torch.nn.Module:
         return model.get_submodule(self.final_norm)
@@ -119,8 +196,9 @@ def _is_norm(module: torch.nn.Module) -> bool:
 
 
 def find_layout(model, what: str = "model") -> Layout:
-    """Blocks: the one ``ModuleList`` of ``num_hidden_layers`` modules. Final norm: the last norm module
-    registered outside the blocks, after them (the one that feeds lm_head; :func:`check_layout` proves it)."""
+    """Blocks: the one ``ModuleList`` of ``num_hidden_layers`` modules. Final norm: of the norm modules
+    registered outside the blocks, after them, the one whose output a 4-token forward hands lm_head (the
+    last of them when none does: :func:`check_layout` then says so)."""
     name = model_type(model)
     num_layers = int(_text_config(model).num_hidden_layers)
     named = list(model.named_modules())
@@ -138,7 +216,66 @@ def find_layout(model, what: str = "model") -> Layout:
     if not norms:
         raise HsxError(f"{what} ({name}): no normalisation module after the decoder blocks {blocks!r}; boundary L "
                        f"(the final norm's input) and 'final' cannot be captured")
-    return Layout(blocks, norms[-1])
+    norm = norms[-1] if len(norms) == 1 else _feeding_lm_head(model, norms)
+    return Layout(blocks, norm, _collapse(model, blocks, norm) if hc_mult(model) > 1 else None)
+
+
+def hc_mult(model) -> int:
+    """Parallel residual streams between blocks (hyper-connections, DeepSeek-V4); 1 elsewhere."""
+    return int(getattr(_text_config(model), "hc_mult", None) or 1)
+
+
+def _collapse(model, blocks: str, norm: str) -> str | None:
+    """The module beside the blocks that receives the last block's output and returns the final norm's input,
+    found on a 4-token forward (None when there is none: :func:`check_layout` then says so)."""
+    prefix = blocks.rpartition(".")[0]
+    names = [f"{prefix}.{n}" for n, _ in model.get_submodule(prefix).named_children()]
+    names = [n for n in names if n not in (blocks, norm)]
+    rec = _Recorder()
+    last = model.get_submodule(blocks)[-1]
+    hooks = [last.register_forward_hook(rec.grab("last"))]
+    hooks.append(model.get_submodule(norm).register_forward_pre_hook(rec.grab("norm_in", output=False)))
+    for n in names:
+        hooks += [model.get_submodule(n).register_forward_pre_hook(rec.grab(f"in:{n}", output=False)),
+                  model.get_submodule(n).register_forward_hook(rec.grab(f"out:{n}"))]
+    try:
+        with torch.inference_mode():
+            model(input_ids=_probe_ids(model, next(model.parameters()).device), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    last_out, norm_in = rec.seen["last"][:1], rec.seen["norm_in"][:1]
+    found = [n for n in names if rec.seen[f"in:{n}"] and last_out and norm_in
+             and _same(rec.seen[f"in:{n}"][0], last_out[0]) and _same(rec.seen[f"out:{n}"][0], norm_in[0])]
+    return found[0] if len(found) == 1 else None
+
+
+def _feeding_lm_head(model, norms: list[str]) -> str:
+    """Of the norm modules ``norms``, the one whose output is lm_head's input on a 4-token forward (Gemma 4
+    registers the norm of its per-layer inputs after the final norm)."""
+    head = model.get_output_embeddings()
+    if head is None:
+        return norms[-1]
+    rec = _Recorder()
+    hooks = [model.get_submodule(n).register_forward_hook(rec.grab(n)) for n in norms]
+    hooks.append(head.register_forward_pre_hook(rec.grab("head_in", output=False)))
+    try:
+        with torch.inference_mode():
+            model(input_ids=_probe_ids(model, head.weight.device), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    head_in = rec.seen["head_in"][-1:]
+    feeding = [n for n in norms if head_in and any(_same(out, head_in[0]) for out in rec.seen[n])]
+    return feeding[-1] if feeding else norms[-1]
+
+
+def _same(a, b) -> bool:
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+
+
+def _probe_ids(model, device) -> torch.Tensor:
+    return torch.arange(4, device=device)[None] % int(_text_config(model).vocab_size)
 
 
 def check_layout(model, layout: Layout, what: str = "model") -> None:
@@ -156,16 +293,22 @@ def check_layout(model, layout: Layout, what: str = "model") -> None:
     hooks += [layout.norm(model).register_forward_hook(rec.grab("norm_in", output=False)),
               layout.norm(model).register_forward_hook(rec.grab("norm_out")),
               head.register_forward_pre_hook(rec.grab("head_in", output=False))]
+    if layout.collapse is not None:
+        hooks += [model.get_submodule(layout.collapse).register_forward_hook(rec.grab("collapse_in", output=False)),
+                  model.get_submodule(layout.collapse).register_forward_hook(rec.grab("collapse_out"))]
+    elif hc_mult(model) > 1:
+        raise HsxError(f"{what} ({name}): {hc_mult(model)} hyper-connection streams, and no module found that "
+                       f"collapses the last block's streams into {layout.final_norm}'s input")
     try:
-        ids = torch.arange(4, device=head.weight.device)[None] % int(_text_config(model).vocab_size)
         with torch.inference_mode():
-            hs = model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+            hs = model(input_ids=_probe_ids(model, head.weight.device), output_hidden_states=True,
+                       use_cache=False).hidden_states
     finally:
         for h in hooks:
             h.remove()
     num_layers = len(blocks)
     labels = {"first_in": "the first block", "norm_in": layout.final_norm, "norm_out": layout.final_norm,
-              "head_in": "lm_head"}
+              "head_in": "lm_head", "collapse_in": layout.collapse, "collapse_out": layout.collapse}
     ran = {labels.get(k, f"block {k.removeprefix('block')}"): len(v) for k, v in rec.seen.items()}
     problems = [f"{k} ran {n} times, expected once" for k, n in ran.items() if n != 1]
     if hs is None or len(hs) != num_layers + 1:
@@ -174,9 +317,14 @@ def check_layout(model, layout: Layout, what: str = "model") -> None:
         pairs = [("hidden_states[0]", hs[0], "the first block's input", rec.one("first_in"))]
         pairs += [(f"hidden_states[{b}]", hs[b], f"block {b - 1}'s output", rec.one(f"block{b - 1}"))
                   for b in range(1, num_layers)]
-        pairs += [(f"{layout.final_norm}'s input", rec.one("norm_in"), "the last block's output",
-                   rec.one(f"block{num_layers - 1}")),
-                  ("lm_head's input", rec.one("head_in"), f"{layout.final_norm}'s output", rec.one("norm_out"))]
+        last = ("the last block's output", rec.one(f"block{num_layers - 1}"))
+        if layout.collapse is not None:  # streams -> collapse -> norm
+            pairs += [(f"{layout.collapse}'s input", rec.one("collapse_in"), *last),
+                      (f"{layout.final_norm}'s input", rec.one("norm_in"), f"{layout.collapse}'s output",
+                       rec.one("collapse_out"))]
+        else:
+            pairs += [(f"{layout.final_norm}'s input", rec.one("norm_in"), *last)]
+        pairs += [("lm_head's input", rec.one("head_in"), f"{layout.final_norm}'s output", rec.one("norm_out"))]
         problems = [f"{a} is not {b}" for a, x, b, y in pairs
                     if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor)
                     or x.shape != y.shape or not torch.equal(x, y)]

@@ -1,7 +1,9 @@
 """The independent reference: a plain teacher-forced forward of the shards' model over the stored tokens.
 
 It shares no code with the engines' decoding paths: no 4-D masks, no draft tree, no row
-collection, no capture hooks of theirs. One right-padded batch per call, positions ``0..N-1`` per
+collection, no capture hooks of theirs. It shares the loading and the layout (which module list
+holds the blocks, which norm feeds lm_head: :func:`hsx.engine.families.find_layout`, proved on a
+forward against transformers' own ``hidden_states`` before the first sample). One right-padded batch per call, positions ``0..N-1`` per
 sample (right padding never shifts the real tokens' positions, and causal attention never lets
 them see the padding), with no cache; or one long sequence a chunk of tokens at a time through
 transformers' own ``DynamicCache`` and causal mask (:meth:`Reference.chunks`).
@@ -41,14 +43,18 @@ class Reference:
     shape: ModelShape
     device: torch.device
     dtype: torch.dtype
+    decoder: torch.nn.Module  # the module holding the blocks and the final norm, without lm_head
+    norm: torch.nn.Module  # the final norm: its input is boundary L
+    recurrent: bool = False  # some layers keep a recurrent state (linear attention, convolutions, Mamba-2)
+    # hyper-connection models (DeepSeek-V4): boundary L is the last block's streams, not the norm's input
+    last_block: torch.nn.Module | None = None
 
     @staticmethod
     def load(path: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False) -> "Reference":
-        from transformers import AutoModelForCausalLM
+        from hsx.engine.families import load_causal_lm
 
-        try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                                         attn_implementation="sdpa", use_kernels=False)
+        try:  # sdpa, or eager where the family has no sdpa path (MiMo-V2-Flash, Gemma 2, GPT-OSS)
+            model = load_causal_lm(path, dtype, trust_remote_code, what="model for the recompute")
         except (OSError, ValueError) as e:
             raise HsxError(f"cannot load model {path!r} for the recompute: {e}") from None
         return Reference.wrap(model.to(device).eval())
@@ -56,10 +62,15 @@ class Reference:
     @staticmethod
     def wrap(model: torch.nn.Module) -> "Reference":
         """A reference around a model already in memory (e.g. a script's own)."""
+        from hsx.engine.families import check_layout, find_layout, has_recurrent_layers
+
         p = next(model.parameters())
-        if getattr(getattr(model, "model", None), "norm", None) is None:
-            raise HsxError(f"{type(model).__name__} has no model.norm: boundary L (the final norm's input) cannot be captured")
-        return Reference(model, ModelShape.from_config(model.config), p.device, p.dtype)
+        layout = find_layout(model, "model for the recompute")
+        check_layout(model.eval(), layout, "model for the recompute")
+        decoder = model.get_submodule(layout.blocks.rpartition(".")[0])
+        last_block = None if layout.collapse is None else model.get_submodule(layout.blocks)[-1]
+        return Reference(model, ModelShape.from_config(model.config), p.device, p.dtype, decoder, layout.norm(model),
+                         has_recurrent_layers(model), last_block)
 
     def states(self, input_ids: Sequence[torch.Tensor], sources: Sequence[int | str]) -> dict:
         """``{source: [B, T, H] float32}`` for the sequences ``input_ids`` (T = the longest), on ``self.device``.
@@ -107,11 +118,16 @@ class Reference:
         def keep_input(module, args):  # returns None: a pre-hook's return value would replace the input
             box["pre"] = args[0]
 
-        base = self.model.model  # the decoder without lm_head: no [B, T, vocab] logits are made
-        handle = base.norm.register_forward_pre_hook(keep_input)
-        try:
+        def keep_output(module, args, output):
+            box["pre"] = output[0] if isinstance(output, tuple) else output
+
+        if self.last_block is not None:  # the streams before their collapse
+            handle = self.last_block.register_forward_hook(keep_output)
+        else:
+            handle = self.norm.register_forward_pre_hook(keep_input)
+        try:  # the decoder without lm_head: no [B, T, vocab] logits are made
             with torch.inference_mode():
-                out = base(**inputs, output_hidden_states=True)
+                out = self.decoder(**inputs, output_hidden_states=True)
         finally:
             handle.remove()
         hs = out.hidden_states
@@ -121,6 +137,8 @@ class Reference:
         def pick(s):
             if s == FINAL:
                 return hs[num_layers]
-            return box["pre"] if s == num_layers else hs[s]
+            state = box["pre"] if s == num_layers else hs[s]
+            # hyper-connection streams [B, T, hc_mult, hidden], flattened stream by stream as the engines store them
+            return state.flatten(2) if state.dim() == 4 else state
 
         return {s: pick(s).float() for s in dict.fromkeys(sources)}

@@ -212,7 +212,7 @@ def recompute(
     model_path, ref = _load_reference(meta, model, device, dtype, force, trust_remote_code, ds.model_path())
     compute = str(ref.dtype).removeprefix("torch.")
     engine_dtype = (meta.get("engine") or {}).get("compute_dtype")
-    tol = tolerance_for(meta["dtype"], engine_dtype, compute, rtol)
+    tol = tolerance_for(meta["dtype"], engine_dtype, compute, rtol, recurrent=ref.recurrent)
     report = RecomputeReport(str(path), model_path, str(ref.device), compute, meta["dtype"], engine_dtype,
                              tol.describe(), len(ds), load_seconds=time.perf_counter() - t0, chunk=chunk)
     chosen = _select(len(ds), samples, seed)

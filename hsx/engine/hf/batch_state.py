@@ -87,12 +87,15 @@ def _widen(t: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, pad)
 
 
-def admissible(waiting: deque, free: int, max_tokens: int | None) -> list:
+def admissible(waiting: deque, free: int, max_tokens: int | None, same_length: bool = False) -> list:
     """Pop the next requests to prefill together: at most ``free`` of them, and (after the first)
-    only while the padded batch stays within ``max_tokens`` prompt tokens."""
+    only while the padded batch stays within ``max_tokens`` prompt tokens; with ``same_length``,
+    only while the prompts are as long as the first (no padding: recurrent layers)."""
     batch = [waiting.popleft()]
     width = batch[0][1].numel()
     while waiting and len(batch) < free:
+        if same_length and waiting[0][1].numel() != width:
+            break
         w = max(width, waiting[0][1].numel())
         if max_tokens is not None and w * (len(batch) + 1) > max_tokens:
             break

@@ -9,11 +9,17 @@ tensors alone (docs/FORMAT.md, "Layer boundaries"):
 * boundary b, ``1 <= b < L``, is block b-1's output (its first element when a block returns a tuple);
 * boundary L is the final norm's input, ``final`` its output (lm_head's input).
 
+On a hyper-connection model (DeepSeek-V4, ``hc_mult`` streams ``[B, q, hc_mult, hidden]`` between
+blocks) a boundary is all the streams, flattened stream by stream to ``hc_mult * hidden`` (stream
+0's values first; SGLang's ``spec_hidden_size``), and boundary L is the last block's output, before
+the module that collapses the streams into the final norm's input.
+
 These are the tensors transformers' own ``hidden_states`` are made of (it records them with hooks
 on the same blocks), so the rows are the same bits; :func:`hsx.engine.families.check_layout` proves
 each of these points against ``hidden_states`` on one short forward before the engine is used (and
-that the last block's output is the final norm's input). A tensor is kept as the module hands it
-over, never reshaped: its width is checked against the column's when the rows are collected.
+that the last block's output is the final norm's input, or its collapse's). A tensor is kept as
+the module hands it over, never reshaped (streams are only flattened, a view of the same values):
+its width is checked against the column's when the rows are collected.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from typing import Iterable
 import torch
 
 from hsx.align import FINAL
-from hsx.engine.families import AttentionPlan, Layout, check_layout, find_layout
+from hsx.engine.families import AttentionPlan, Layout, check_layout, find_layout, model_type, slot_limit
 from hsx.errors import HsxError
 
 # The oldest transformers this engine is tested with: it passes the cache as ``cache=``, which
@@ -50,6 +56,7 @@ class Driven:
     plan: AttentionPlan
     layout: Layout | None
     slices_logits: bool = False  # forward takes logits_to_keep: lm_head runs only where logits are read
+    max_slots: int | None = None  # key slots per forward within which the rows are exact (families.slot_limit)
 
     @staticmethod
     def of(model, what: str) -> "Driven":
@@ -58,7 +65,8 @@ class Driven:
         plan = AttentionPlan.from_model(model, what)
         layout = find_layout(model, what)
         check_layout(model, layout, what)
-        return Driven(model, plan, layout, "logits_to_keep" in inspect.signature(model.forward).parameters)
+        return Driven(model, plan, layout, "logits_to_keep" in inspect.signature(model.forward).parameters,
+                      slot_limit(model))
 
     def logits_at(self, positions: torch.Tensor | int) -> dict:
         """Forward keywords computing logits only at ``positions`` (a 1-D tensor of sequence indices,
@@ -74,6 +82,10 @@ def forward(driven: Driven, input_ids, q_pos, k_pos, visible, cache, **extra):
     """One forward of ``input_ids [B, q]`` at positions ``q_pos [B, q]`` that sees the key slots
     (at positions ``k_pos [B, K]``, the new ones last) where ``visible [B, q, K]``."""
     batch, q = input_ids.shape
+    if driven.max_slots is not None and visible.shape[2] > driven.max_slots:
+        raise HsxError(f"{model_type(driven.model)}: a forward over {visible.shape[2]} cache slots; this model reads "
+                       f"a slot index as a position (attention temperature tuning), so the engine's rows are exact "
+                       f"within {driven.max_slots} slots only: use shorter prompts or max_new_tokens, or a smaller batch")
     visible = visible.clone()
     diag = torch.arange(q, device=visible.device)
     # every query sees itself: a fully masked row turns into NaN under eager attention
@@ -88,6 +100,12 @@ def forward(driven: Driven, input_ids, q_pos, k_pos, visible, cache, **extra):
         output_hidden_states=False,  # explicit: a config saying True would make the model keep every block's output
         **extra,
     )
+
+
+def _streams_flat(state):
+    """``[B, q, hc_mult, hidden]`` hyper-connection streams as ``[B, q, hc_mult * hidden]``, stream 0 first
+    (a view); any other tensor as it is."""
+    return state.flatten(2) if isinstance(state, torch.Tensor) and state.dim() == 4 else state
 
 
 class Capture:
@@ -112,7 +130,9 @@ class Capture:
             self.handles.append(blocks[0].register_forward_pre_hook(self._keep_input(0)))
         for b in sorted(s for s in wanted if s != FINAL and 0 < s < self.num_layers):
             self.handles.append(blocks[b - 1].register_forward_hook(self._keep_output(b)))
-        if self.num_layers in wanted:
+        if self.num_layers in wanted and self.layout.collapse is not None:  # the streams, before their collapse
+            self.handles.append(blocks[-1].register_forward_hook(self._keep_output(self.num_layers)))
+        elif self.num_layers in wanted:
             self.handles.append(norm.register_forward_pre_hook(self._keep_input(self.num_layers)))
         if FINAL in wanted:
             self.handles.append(norm.register_forward_hook(self._keep_output(FINAL)))
@@ -125,13 +145,13 @@ class Capture:
 
     def _keep_input(self, source):
         def hook(module, args):  # returns None: a pre-hook's return value would replace the input
-            self.states[source] = args[0] if args else None
+            self.states[source] = _streams_flat(args[0]) if args else None
 
         return hook
 
     def _keep_output(self, source):
         def hook(module, args, output):
-            self.states[source] = output[0] if isinstance(output, tuple) else output
+            self.states[source] = _streams_flat(output[0] if isinstance(output, tuple) else output)
 
         return hook
 

@@ -34,11 +34,11 @@ import torch
 
 from hsx.align import FINAL, AlignedSample, Collector, LayerGroup, ModelShape, parse_layers, teacher_forced
 from hsx.engine.hf.capture import MIN_TRANSFORMERS, Capture, Driven, forward
-from hsx.engine.families import FULL, AttentionPlan, load_causal_lm
+from hsx.engine.families import CACHELESS, FULL, AttentionPlan, load_causal_lm, model_type
 from hsx.heads.load import Eagle3Head, head_kind, load_eagle3_head
 from hsx.engine.hf.batch_state import BatchState, admissible
 from hsx.engine.hf.kv import KV
-from hsx.engine.hf.kv import SlotLayer as _SlotLayer  # noqa: F401  (the cache layer, reached by tests under this name)
+from hsx.engine.hf.slots import SlotLayer as _SlotLayer  # noqa: F401  (the cache layer, reached by tests under this name)
 from hsx.heads.layer_ids import HF_READING, resolve_head_layers, sglang_boundaries
 from hsx.engine.hf.prompt_batch import (PromptRows, pad_prompts, prompt_block, prompt_chunks, prompt_positions,
                                         prompt_tokens_in)
@@ -164,6 +164,10 @@ class HFEngine:
             bad = [s for s in g.sources if s != FINAL and not 0 <= s <= self.shape.num_layers]
             if bad:
                 raise HsxError(f"layer group {g.name!r}: boundaries {bad} outside 0..{self.shape.num_layers}")
+        self._check_cacheless()
+        self.stateful = self.target.plan.stateful or (self.draft is not None and self.draft.plan.stateful)
+        if self.stateful:
+            self._check_stateful()
         # what a target forward keeps: the groups' boundaries and the head's aux states
         self.sources = tuple(dict.fromkeys([s for g in self.groups for s in g.sources] + list(self.aux_sources)))
 
@@ -189,7 +193,9 @@ class HFEngine:
                     forward(self.target, ids, positions, positions, block, None, **no_logits)
                 else:
                     kv.run(ids[:, part], positions[:, part], block, **no_logits)
-                    kv.commit(valid[:, part])
+                    # a recurrent layer keeps a row's padding in its state: harmless on the right, where no
+                    # real token of the row comes after it
+                    kv.commit(torch.ones_like(valid[:, part]) if self.target.plan.stateful else valid[:, part])
                 rows.add(self._columns(cap), valid[:, part])  # name -> [B, q, W]
                 cap.clear()
                 self._tell(prompt=prompt_tokens_in(prompts, self.padding_side, part))
@@ -210,6 +216,7 @@ class HFEngine:
         and ``max_prefill_tokens`` padded prompt tokens (at least one). A row's values depend on which
         requests shared its steps, so the same requests in the same order give the same bits.
         """
+        self._refuse_cacheless_decoding()
         rids, prompts = self._check_requests(list(requests))
         waiting = deque(zip(rids, prompts))
         if slots < 1:
@@ -226,7 +233,7 @@ class HFEngine:
             while waiting or (state is not None and len(state.rids) > len(state.free)):
                 busy = 0 if state is None else len(state.rids) - len(state.free)
                 if waiting and busy < slots:
-                    batch = admissible(waiting, slots - busy, max_prefill_tokens)
+                    batch = admissible(waiting, slots - busy, max_prefill_tokens, same_length=self.stateful)
                     stats.admissions += 1
                     if len(batch) > 1:
                         width = len(batch) * max(p.numel() for _, p in batch)
@@ -328,7 +335,8 @@ class HFEngine:
             fed = torch.cat([fed, frontier], 1)
             positions = (root_pos[:, None] + level - 1).expand(-1, k)  # [B, k] the frontier sits at depth level - 1
             extra = {} if hid is None else {"draft_hidden": hid}
-            out = draft.run(pool.tokens.gather(1, frontier), positions, pool.visibility(frontier, fed), **extra)
+            out = draft.run(pool.tokens.gather(1, frontier), positions, pool.visibility(frontier, fed), partial=True,
+                            **extra)
             child = torch.log_softmax(out.logits.float(), -1).topk(k)  # [B, k, k]
             child_score = pool.score.gather(1, frontier)[:, :, None] + child.values  # [B, k, k]
             parents = frontier[:, :, None].expand(-1, -1, k).flatten(1)  # [B, k * k]
@@ -355,7 +363,7 @@ class HFEngine:
         causal = torch.ones(q, q, dtype=torch.bool, device=dev).tril()
         positions = draft.lengths[:, None] + torch.arange(q, device=dev)  # [B, q]
         extra = {} if state.pending_aux is None else {"draft_hidden": state.pending_aux}
-        out = draft.run(state.pending, positions, causal[None] & pend_valid[:, None, :], **extra)
+        out = draft.run(state.pending, positions, causal[None] & pend_valid[:, None, :], partial=True, **extra)
         draft.commit(pend_valid)
         last = (torch.arange(len(state.rids), device=dev), state.pending_len - 1)
         return out.logits[last], (out.hidden[last] if self.head else None)
@@ -367,7 +375,8 @@ class HFEngine:
         target = state.target
         positions = target.lengths[:, None] + tree.depth  # [B, n]
         with self._capture() as cap:
-            out = target.run(tree.tokens, positions, tree.anc)  # logits at every node: each one is read
+            # logits at every node: each one is read
+            out = target.run(tree.tokens, positions, tree.anc, partial=self.spec is not None)
         target_tok = _choose(out.logits, sampling, generator)  # [B, n] the target's next token after each node
 
         # accept a node when it and every ancestor below the root is the target's choice at its parent;
@@ -434,6 +443,43 @@ class HFEngine:
         kept = torch.where(has_stop, stop_len, n_out.clamp(max=max_new))  # [B] each request's length after the step
         self._tell(generated=int((kept - state.n_out).clamp(min=0)[live].sum()),
                    budget=-int((max_new - kept)[finished & live].sum()))
+
+    def _check_cacheless(self) -> None:
+        """Layer kinds run only in a forward without a cache (hsx.engine.families.CACHELESS), and hyper-connection
+        models' ``final``: refused before the first forward."""
+        for driven, what in ((self.target, "target model"), (self.draft, "draft model")):
+            if driven is None:
+                continue
+            kinds = driven.plan.cacheless
+            name = model_type(driven.model)
+            if kinds and (self.spec is not None or self.prefill_chunk is not None or what == "draft model"
+                          or self.padding_side == "left"):
+                # left padding would shift the compressor's groups of positions
+                raise HsxError(f"{what} ({name}): {kinds[0]!r} layers run in prefill mode only, one forward per batch "
+                               f"(no --prefill-chunk, no draft, right padding): {CACHELESS[kinds[0]]}")
+        if self.target.layout.collapse is not None and any(FINAL in g.sources for g in self.groups):
+            raise HsxError(f"target model ({model_type(self.model)}): 'final' on a model with {self.shape.hc_mult} "
+                           f"hyper-connection streams is one collapsed stream, narrower than the format's "
+                           f"hidden_size * hc_mult columns; store boundaries (0..{self.shape.num_layers}, eagle3)")
+
+    def _refuse_cacheless_decoding(self) -> None:
+        kinds = self.target.plan.cacheless
+        if kinds:
+            raise HsxError(f"target model ({model_type(self.model)}): {kinds[0]!r} layers run in prefill mode only "
+                           f"(generate decodes through a cache): {CACHELESS[kinds[0]]}")
+
+    def _check_stateful(self) -> None:
+        """What recurrent layers rule out, refused before the first forward (hsx.engine.hf.state)."""
+        for driven, what in ((self.target, "target model"), (self.draft, "draft model")):
+            if driven is None or not driven.plan.stateful:
+                continue
+            kinds = ", ".join(map(repr, driven.plan.state_kinds))
+            if self.padding_side == "left":
+                raise HsxError(f"{what} ({model_type(driven.model)}): {kinds} layers keep a state per row, which "
+                               f"left padding would enter before the prompt; use padding_side='right'")
+            if self.spec is not None and self.spec.topk > 1:
+                raise HsxError(f"{what} ({model_type(driven.model)}): {kinds} layers keep one state per row, which "
+                               f"a draft tree's branches cannot share; draft a chain (topk 1, --spec-topk 1)")
 
     def _capture(self) -> Capture:
         """Hooks keeping what a target forward's rows are made of, and nothing else."""

@@ -1,0 +1,86 @@
+"""What rolling a recurrent layer back after a verify step costs, as a ratio in one run.
+
+A verify step of ``n`` tokens (root + drafts) on a model with recurrent layers records the state
+after every token (transformers' past recording: the recurrence runs token by token over the
+step instead of in one chunk, and each state is kept), and the commit gives each row the state
+after its accepted prefix (hsx.engine.hf.state). The baseline is the same forward unrecorded,
+every token kept: what a step would cost if the layers could be cut back like a key/value cache.
+Both run alternately on the same batch, random tiny models built from transformers' config
+classes; the script prints and writes the median time of each and their ratio.
+
+    python scripts/bench_rollback.py --family qwen3_5 --hidden 256 --batch 4 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import transformers as T
+
+from hsx.engine.hf.capture import Driven
+from hsx.engine.hf.kv import KV
+
+LINEAR = dict(layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=4, linear_num_value_heads=8,
+              linear_key_head_dim=32, linear_value_head_dim=32)
+FAMILIES = {
+    "qwen3_5": (T.Qwen3_5TextConfig, T.Qwen3_5ForCausalLM, LINEAR),
+    "lfm2": (T.Lfm2Config, T.Lfm2ForCausalLM, dict(layer_types=["conv", "full_attention"] * 2)),
+    "falcon_h1": (T.FalconH1Config, T.FalconH1ForCausalLM,
+                  dict(mamba_n_heads=8, mamba_d_head=32, mamba_d_ssm=256, mamba_d_state=32, mamba_n_groups=1)),
+}
+
+
+def build(family: str, hidden: int):
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = config_cls(vocab_size=1024, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
+                        num_attention_heads=8, num_key_value_heads=4, head_dim=hidden // 8, **extra)
+    torch.manual_seed(0)
+    return model_cls(config).eval()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--family", choices=sorted(FAMILIES), default="qwen3_5")
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=4, help="tokens per verify step (root + drafts)")
+    ap.add_argument("--steps", type=int, default=20, help="timed steps of each kind")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    model = build(args.family, args.hidden)
+    b, n = args.batch, args.tokens
+    kv = KV(Driven.of(model, "target"), b, torch.device("cpu"), args.prompt + 2 * (args.steps + 2) * n)
+    gen = torch.Generator().manual_seed(0)
+    causal = lambda q: torch.ones(q, q, dtype=torch.bool).tril().expand(b, -1, -1)  # noqa: E731
+    times: dict[str, list[float]] = {"recorded": [], "unrecorded": []}
+    with torch.inference_mode():
+        kv.run(torch.randint(0, 1024, (b, args.prompt), generator=gen),
+               torch.arange(args.prompt).expand(b, -1), causal(args.prompt))
+        kv.commit(torch.ones(b, args.prompt, dtype=torch.bool))
+        for step in range(args.steps + 1):  # the first pair warms up
+            for kind in ("recorded", "unrecorded"):
+                ids = torch.randint(0, 1024, (b, n), generator=gen)
+                positions = kv.lengths[:, None] + torch.arange(n)
+                kept = torch.randint(1, n + 1, (b,), generator=gen) if kind == "recorded" else torch.full((b,), n)
+                t0 = time.perf_counter()
+                kv.run(ids, positions, causal(n), partial=kind == "recorded")
+                kv.commit(torch.arange(n)[None] < kept[:, None])
+                if step:
+                    times[kind].append(time.perf_counter() - t0)
+    median = {k: statistics.median(v) for k, v in times.items()}
+    report = {"settings": vars(args), "median_s": median, "ratio": median["recorded"] / median["unrecorded"]}
+    print(json.dumps(report, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

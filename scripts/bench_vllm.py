@@ -15,11 +15,27 @@ the time inside ``VLLMRunner.run`` (``LLM.generate`` plus taking the captured ro
 samples). Completion token counts are checked equal between the sides. ``--eagle3`` adds the demo's
 EAGLE3 head (3 steps, ``--layers final,eagle3``) against plain vLLM with the same speculative config.
 Prints a table of hsx/plain ratios (min and median over repeats).
+
+``--per-step`` measures what the capture adds to each engine step instead, in one process and one engine
+per case (so start-up and machine load drift leave the comparison), at batch sizes ``--batches``:
+
+    bash scripts/vllm_cpu.sh python scripts/bench_vllm.py --per-step [--batches 1,16,64] [--smollm2 DIR]
+
+  plain  ``LLM.generate`` of untagged requests with the runner's own ``sample_tokens`` back in place;
+  hsx    ``VLLMRunner.run`` of the same prompts: its time inside ``LLM.generate`` (the engine steps with the
+         capture) and its whole time (taking the records and building the samples too).
+The sides alternate, ``--repeats`` times each after one warm-up each; engine steps are counted (calls of
+``sample_tokens``) and must be equal on both sides, as must the completion tokens. Cases: the demo target
+plain (``--layers final,b2,b4,b6``) and with the demo EAGLE3 head (``final,eagle3``, 3 steps); with
+``--smollm2 DIR`` (a checkpoint: ``hsx.demo.pretrained.smollm2_checkpoint()``) SmolLM2-135M plain too.
+Prints ms per step (median over repeats) of each side, hsx's added ms per step (median of the runs'
+differences) and that as a share of the plain step.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -186,9 +202,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--eagle3", action="store_true", help="also the EAGLE3 case, at the first size")
     ap.add_argument("--child", nargs=3, metavar=("SIDE", "SPEC", "RESULT"), help=argparse.SUPPRESS)
+    ap.add_argument("--per-step", action="store_true", help="hsx's added time per engine step, in one process")
+    ap.add_argument("--batches", default="1,16,64", help="batch sizes of --per-step")
+    ap.add_argument("--new-tokens", type=int, default=32, help="completion tokens per prompt in --per-step")
+    ap.add_argument("--smollm2", help="--per-step also on this SmolLM2-135M checkpoint directory")
     a = ap.parse_args()
     if a.child:
         child(*a.child)
+        return
+    if a.per_step:
+        per_step_main(a)
         return
     sys.path.insert(0, str(ROOT / "scripts" / "vllm_cpu"))
     from heads import vllm_heads
@@ -228,6 +251,128 @@ def run_cases(cases: list[Path], root: Path, repeats: int) -> list[str]:
                       f"{r['tokens']} tokens", flush=True)
         rows += summarise(case.stem, runs)
     return rows
+
+
+# ---- --per-step: one process, one engine per case ---------------------------------------------------
+
+class Steps:
+    """Put in place of the model runner's ``sample_tokens``: counts the engine steps, then calls ``inner``."""
+
+    def __init__(self, inner):
+        self.inner, self.count = inner, 0
+
+    def __call__(self, grammar_output):
+        self.count += 1
+        return self.inner(grammar_output)
+
+
+def _model_runner(worker):
+    return worker.model_runner
+
+
+def per_step_case(label: str, model: str, draft, batches: list[int], new_tokens: int, repeats: int) -> list[str]:
+    from transformers import AutoTokenizer
+
+    from hsx.config import ExtractConfig
+    from hsx.data.render import Prompt
+    from hsx.demo.tokenizer import demo_corpus
+    from hsx.engine.vllm.runner import VLLMRunner
+
+    spec = {"layers": "final,eagle3", "spec_algorithm": "EAGLE3", "draft_model": str(draft), "spec_num_steps": 3} \
+        if draft else {"layers": f"final,{BOUNDARIES}"}
+    cfg = ExtractConfig(model=model, engine="vllm", device="cpu", model_dtype="float32", dtype="bfloat16",
+                        max_new_tokens=new_tokens, batch_size=max(batches), engine_args=dict(ENGINE), **spec)
+    runner = VLLMRunner(cfg)
+    model_runner = runner.llm.collective_rpc(_model_runner)[0]
+    capture = model_runner.sample_tokens
+    tok = AutoTokenizer.from_pretrained(model)
+    words = demo_corpus().split()
+    inside = {"s": 0.0}
+    generate = runner.llm.generate
+
+    def timed_generate(*args, **kwargs):
+        t = time.perf_counter()
+        out = generate(*args, **kwargs)
+        inside["s"] += time.perf_counter() - t
+        return out
+
+    def plain(prompts) -> tuple[float, int, int]:
+        counter = model_runner.sample_tokens = Steps(capture.inner)
+        params = runner._sampling("untagged")
+        params.extra_args = None
+        t = time.perf_counter()
+        outs = generate([{"prompt_token_ids": p.input_ids} for p in prompts], params, use_tqdm=False)
+        return time.perf_counter() - t, counter.count, sum(len(o.outputs[0].token_ids) for o in outs)
+
+    def captured(prompts) -> tuple[float, float, int, int]:
+        counter = model_runner.sample_tokens = Steps(capture)
+        inside["s"] = 0.0
+        runner.llm.generate = timed_generate
+        try:
+            t = time.perf_counter()
+            samples = runner.run(prompts)
+            whole = time.perf_counter() - t
+        finally:
+            del runner.llm.generate
+        bad = [s for s in samples if not hasattr(s, "input_ids")]
+        if bad:
+            raise SystemExit(f"{label}: hsx failed a sample: {bad[0]}")
+        return inside["s"], whole, counter.count, sum(int(s.input_ids.numel()) - int(s.prompt_len) for s in samples)
+
+    rows = []
+    for b in batches:
+        texts = [" ".join(words[(i * 37) % (len(words) - 80):][: 8 + (i * 13) % 72]) for i in range(b)]
+        ids = [list(tok(t, add_special_tokens=True)["input_ids"]) for t in texts]
+        prompts = [Prompt(f"p{i}", i, x, [1] * len(x)) for i, x in enumerate(ids)]
+        plain(prompts), captured(prompts)  # warm-up
+        p_runs, h_runs = [], []
+        for k in range(repeats):
+            for side in ("plain", "hsx") if k % 2 == 0 else ("hsx", "plain"):
+                if side == "plain":
+                    p_runs.append(plain(prompts))
+                else:
+                    h_runs.append(captured(prompts))
+        steps = {r[1] for r in p_runs} | {r[2] for r in h_runs}
+        tokens = {r[2] for r in p_runs} | {r[3] for r in h_runs}
+        if len(steps) != 1 or len(tokens) != 1:
+            raise SystemExit(f"{label} batch {b}: engine steps {steps} or completion tokens {tokens} differ between runs")
+        n = steps.pop()
+        plain_ms = [1e3 * r[0] / n for r in p_runs]
+        gen_ms = [1e3 * r[0] / n for r in h_runs]
+        whole_ms = [1e3 * r[1] / n for r in h_runs]
+        added = statistics.median(g - q for g, q in zip(gen_ms, plain_ms, strict=True))
+        added_whole = statistics.median(w - q for w, q in zip(whole_ms, plain_ms, strict=True))
+        base = statistics.median(plain_ms)
+        rows.append(f"| {label} | {b} | {n} | {base:.2f} | {statistics.median(gen_ms):.2f} | {added:+.2f} | "
+                    f"{100 * added / base:+.1f}% | {statistics.median(whole_ms):.2f} | {added_whole:+.2f} | "
+                    f"{100 * added_whole / base:+.1f}% |")
+        print(f"[bench] {rows[-1]}", flush=True)
+    return rows
+
+
+def per_step_main(a) -> None:
+    sys.path.insert(0, str(ROOT / "scripts" / "vllm_cpu"))
+    from heads import vllm_heads
+
+    from hsx.demo.spec_models import build_spec_models
+
+    batches = [int(b) for b in a.batches.split(",")]
+    root = Path(tempfile.mkdtemp(prefix="hsx-bench-vllm-"))
+    try:
+        models = build_spec_models(root / "models")
+        cases = [("demo plain", str(models.target), None), ("demo EAGLE3", str(models.target), vllm_heads(models)[1])]
+        if a.smollm2:
+            cases.append(("SmolLM2-135M plain", a.smollm2, None))
+        rows = []
+        for label, model, draft in cases:
+            rows += per_step_case(label, model, draft, batches, a.new_tokens, a.repeats)
+            gc.collect()  # the case's engine
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print("\n".join(["| case | batch | engine steps | plain ms/step | hsx ms/step in generate | added ms/step | "
+                     "added / plain | hsx ms/step whole run | added whole | added whole / plain |",
+                     "|---|---|---|---|---|---|---|---|---|---|", *rows]))
+    print(f"[bench] {os.cpu_count()} CPUs, {a.repeats} runs a side, {a.new_tokens} new tokens a prompt")
 
 
 if __name__ == "__main__":

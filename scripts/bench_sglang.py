@@ -21,10 +21,13 @@ steps, chain, ``--layers final,eagle3``), at batch sizes ``--batches``:
     bash scripts/sglang_cpu.sh python scripts/bench_sglang.py --per-step [--batches 1,16,64] [--repeats 5]
 
   plain  ``Engine.generate`` of the same token ids without hidden states, on the same engine;
-  hsx    ``SGLangRunner.run``: its time inside ``Engine.generate`` (the engine with the capture writing
-         its files) and its whole time (reading the files and building the samples too).
-Sides alternate, ``--repeats`` times each after one warm-up each; completion tokens must be equal. Engine
-steps are one prefill plus the most decode steps (plain) or verify steps (``spec_verify_ct``) of a request.
+  hsx    ``SGLangRunner.run`` (the capture writing its files in the scheduler, then read back).
+Sides alternate, ``--repeats`` times each after one warm-up each; completion tokens must be equal. Per
+engine step (one prefill plus the most decode steps, or verify steps ``spec_verify_ct``, of a request),
+medians over the runs: plain's wall time; hsx's own work timed where it runs: in the scheduler (the
+lane's ``HSX_LANE_CAPTURE_CLOCK`` times the capture's result-processor wrappers less the SGLang methods
+they wrap) and after ``generate`` (reading the files, building the samples), their sum as a share of
+the plain step; and the difference of the sides' wall times (noisy on a shared machine).
 """
 
 from __future__ import annotations
@@ -181,7 +184,7 @@ def engine_steps(outs: list[dict], speculative: bool) -> int:
     return 1 + (most if speculative else most - 1)
 
 
-def per_step_case(label: str, cfg: ExtractConfig, batches: list[int], repeats: int) -> list[str]:
+def per_step_case(label: str, cfg: ExtractConfig, batches: list[int], repeats: int, clock: Path) -> list[str]:
     from transformers import AutoTokenizer
 
     from hsx.data.render import Prompt
@@ -200,24 +203,28 @@ def per_step_case(label: str, cfg: ExtractConfig, batches: list[int], repeats: i
         inside["steps"] = engine_steps(outs if isinstance(outs, list) else [outs], speculative)
         return outs
 
-    def plain(prompts) -> tuple[float, int, int]:
+    def plain(prompts) -> dict:
         t = time.perf_counter()
         outs = generate(input_ids=[p.input_ids for p in prompts], sampling_params=runner._sampling())
-        return time.perf_counter() - t, engine_steps(outs, speculative), sum(len(o["output_ids"]) for o in outs)
+        return {"wall": time.perf_counter() - t, "steps": engine_steps(outs, speculative),
+                "tokens": sum(len(o["output_ids"]) for o in outs)}
 
-    def captured(prompts) -> tuple[float, float, int, int]:
+    def captured(prompts) -> dict:
         inside["s"] = 0.0
+        clock.write_text("")
         runner.engine.generate = timed_generate
         try:
             t = time.perf_counter()
             samples = runner.run(prompts)
-            whole = time.perf_counter() - t
+            wall = time.perf_counter() - t
         finally:
             runner.engine.generate = generate
         bad = [s for s in samples if not hasattr(s, "input_ids")]
         if bad:
             raise SystemExit(f"{label}: hsx failed a sample: {bad[0]}")
-        return inside["s"], whole, inside["steps"], sum(int(s.input_ids.numel()) - int(s.prompt_len) for s in samples)
+        in_step = sum(float(x) for x in clock.read_text().split())
+        return {"wall": wall, "steps": inside["steps"], "in_step": in_step, "after": wall - inside["s"],
+                "tokens": sum(int(s.input_ids.numel()) - int(s.prompt_len) for s in samples)}
 
     rows = []
     try:
@@ -226,30 +233,31 @@ def per_step_case(label: str, cfg: ExtractConfig, batches: list[int], repeats: i
             ids = [list(tok(t, add_special_tokens=True)["input_ids"]) for t in texts]
             prompts = [Prompt(f"p{i}", i, x, [1] * len(x)) for i, x in enumerate(ids)]
             plain(prompts), captured(prompts)  # warm-up
-            p_runs, h_runs = [], []
+            runs = {"plain": [], "hsx": []}
             for k in range(repeats):
                 for side in ("plain", "hsx") if k % 2 == 0 else ("hsx", "plain"):
-                    if side == "plain":
-                        p_runs.append(plain(prompts))
-                    else:
-                        h_runs.append(captured(prompts))
-            tokens = {r[2] for r in p_runs} | {r[3] for r in h_runs}
-            if len(tokens) != 1:
-                raise SystemExit(f"{label} batch {b}: completion tokens differ between runs or sides: {tokens}")
-            n = max(r[1] for r in p_runs)
-            plain_ms = [1e3 * r[0] / n for r in p_runs]
-            gen_ms = [1e3 * r[0] / n for r in h_runs]
-            whole_ms = [1e3 * r[1] / n for r in h_runs]
-            added = statistics.median(g - q for g, q in zip(gen_ms, plain_ms, strict=True))
-            added_whole = statistics.median(w - q for w, q in zip(whole_ms, plain_ms, strict=True))
-            base = statistics.median(plain_ms)
-            rows.append(f"| {label} | {b} | {n} | {base:.2f} | {statistics.median(gen_ms):.2f} | {added:+.2f} | "
-                        f"{100 * added / base:+.1f}% | {statistics.median(whole_ms):.2f} | {added_whole:+.2f} | "
-                        f"{100 * added_whole / base:+.1f}% |")
+                    runs[side].append(plain(prompts) if side == "plain" else captured(prompts))
+            rows.append(per_step_row(label, b, runs))
             print(f"[bench] {rows[-1]}", flush=True)
     finally:
         runner.engine.shutdown()
     return rows
+
+
+def per_step_row(label: str, batch: int, runs: dict[str, list[dict]]) -> str:
+    """ms per engine step, medians over the runs: hsx's own work timed where it runs, and the sides' difference."""
+    tokens = {r["tokens"] for side in runs.values() for r in side}
+    if len(tokens) != 1:
+        raise SystemExit(f"{label} batch {batch}: completion tokens differ between runs or sides: {tokens}")
+    n = max(r["steps"] for side in runs.values() for r in side)
+
+    def ms(side, key):
+        return statistics.median(1e3 * r[key] / n for r in runs[side])
+
+    added = statistics.median(1e3 * (h["wall"] - p["wall"]) / n for h, p in zip(runs["hsx"], runs["plain"], strict=True))
+    plain_wall, in_step, after = ms("plain", "wall"), ms("hsx", "in_step"), ms("hsx", "after")
+    return (f"| {label} | {batch} | {n} | {plain_wall:.2f} | {in_step:.3f} | {after:.3f} | "
+            f"{100 * (in_step + after) / plain_wall:.1f}% | {added:+.2f} |")
 
 
 def per_step_main(args) -> int:
@@ -265,12 +273,13 @@ def per_step_main(args) -> int:
                                            spec_algorithm="EAGLE3", draft_model=str(models.eagle3), spec_num_steps=3,
                                            spec_topk=1, spec_num_draft_tokens=4))]
     batches = [int(b) for b in args.batches.split(",")]
+    clock = Path(os.environ.setdefault("HSX_LANE_CAPTURE_CLOCK", str(work / "capture-clock.txt")))
     rows = []
     for label, cfg in cases:
-        rows += per_step_case(label, cfg, batches, args.repeats)
-    print("\n".join(["| case | batch | engine steps | plain ms/step | hsx ms/step in generate | added ms/step | "
-                     "added / plain | hsx ms/step whole run | added whole | added whole / plain |",
-                     "|---|---|---|---|---|---|---|---|---|---|", *rows]))
+        rows += per_step_case(label, cfg, batches, args.repeats, clock)
+    print("\n".join(["| case | batch | engine steps | plain ms/step | hsx in the scheduler, ms/step | "
+                     "hsx after generate, ms/step | hsx's own / plain | wall added, ms/step |",
+                     "|---|---|---|---|---|---|---|---|", *rows]))
     print(f"[bench] {os.cpu_count()} CPUs, {args.repeats} runs a side, 32 new tokens a prompt")
     return 0
 

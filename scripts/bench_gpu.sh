@@ -8,6 +8,12 @@
 #
 # Estimated under 7 minutes on one H200 (model build and save included); needs about 52 GB of free
 # disk under --out (default bench_out/gpu). Every option: scripts/bench_gpu.py --help.
+#
+# hsx's vLLM capture on and off on one card (NOT YET RUN ON A GPU), in a Python that has vLLM 0.32:
+#   bash scripts/bench_gpu.sh --vllm MODEL_DIR [--draft EAGLE3_HEAD] [--batches 1,16,64]
+# runs scripts/bench_vllm.py --per-step on cuda in bf16: the same prompts through plain vLLM and through
+# hsx's capture at each batch size; prints ms per engine step, hsx's own time in and after the steps,
+# both sides' tokens/s and the MB/s of rows handed to the shard writer.
 # Python: $PYTHON, else .venv/bin/python in the repository, else python3.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -19,6 +25,15 @@ if command -v nvidia-smi >/dev/null; then
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+if [[ "${1:-}" == "--vllm" ]]; then
+  [[ -n "${2:-}" ]] || { echo "usage: bash scripts/bench_gpu.sh --vllm MODEL_DIR [bench_vllm.py --per-step options]" >&2; exit 2; }
+  model="$2"; shift 2
+  "$PY" -c "import vllm" || { echo "bench_gpu.sh --vllm: $PY has no vLLM (install vllm==0.32.*)" >&2; exit 2; }
+  # the V1 runner hsx's capture reads; the engine core in this process (the bench reaches its runner)
+  export VLLM_USE_V2_MODEL_RUNNER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
+  exec "$PY" "$ROOT/scripts/bench_vllm.py" --per-step --model "$model" --device cuda --model-dtype bfloat16 \
+    --batches 1,16,64 --new-tokens 128 "$@"
+fi
 # hsx's own requirements (scripts/setup.sh installs them): the transformers engine needs >= 5.24
 "$PY" - <<'CHECK' || { echo "bench_gpu.sh: install hsx's requirements first (bash scripts/setup.sh)" >&2; exit 2; }
 import datasets, pyarrow, typer, transformers

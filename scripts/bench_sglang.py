@@ -13,6 +13,21 @@ token ids in), plain greedy decoding:
 Engine start-up is timed apart and left out of the ratios. The capture run goes first, so the other
 two take their prompt ids from its shards. Prints tokens/s (prompt + completion) of each, then the
 two ratios last.
+
+``--per-step`` measures what hsx's capture adds to each engine step instead, on one engine per case (the
+demo target of ``hsx.demo.spec_models`` plain with ``--layers final``, and with its EAGLE3 head, 3
+steps, chain, ``--layers final,eagle3``), at batch sizes ``--batches``:
+
+    bash scripts/sglang_cpu.sh python scripts/bench_sglang.py --per-step [--batches 1,16,64] [--repeats 5]
+
+  plain  ``Engine.generate`` of the same token ids without hidden states, on the same engine;
+  hsx    ``SGLangRunner.run`` (the capture writing its files in the scheduler, then read back).
+Sides alternate, ``--repeats`` times each after one warm-up each; completion tokens must be equal. Per
+engine step (one prefill plus the most decode steps, or verify steps ``spec_verify_ct``, of a request),
+medians over the runs: plain's wall time; hsx's own work timed where it runs: in the scheduler (the
+lane's ``HSX_LANE_CAPTURE_CLOCK`` times the capture's result-processor wrappers less the SGLang methods
+they wrap) and after ``generate`` (reading the files, building the samples), their sum as a share of
+the plain step; and the difference of the sides' wall times (noisy on a shared machine).
 """
 
 from __future__ import annotations
@@ -20,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -106,7 +122,12 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--work", type=Path)
     ap.add_argument("--json", type=Path, help="also write the numbers here")
+    ap.add_argument("--per-step", action="store_true", help="hsx's added time per engine step, one engine per case")
+    ap.add_argument("--batches", default="1,16,64", help="batch sizes of --per-step")
+    ap.add_argument("--repeats", type=int, default=5, help="runs a side of --per-step")
     args = ap.parse_args(argv)
+    if args.per_step:
+        return per_step_main(args)
     if args.device == "cpu":
         torch.set_num_threads(os.cpu_count() or 1)
     work = args.work or Path(tempfile.mkdtemp(prefix="hsx-bench-sglang-"))
@@ -148,6 +169,118 @@ def main(argv=None) -> int:
         args.json.write_text(json.dumps({"args": vars(args) | {"work": str(work), "json": str(args.json)},
                                          "results": results}, indent=1, default=str))
     print(f"capture/no-hidden = {b / a:.2f}x, capture/lists = {b / c:.2f}x")
+    return 0
+
+
+# ---- --per-step ---------------------------------------------------------------------------------------
+
+PER_STEP_ARGS = {**CPU_ARGS, "mem_fraction_static": 0.05, "max_total_tokens": 32768, "sleep_on_idle": True}
+
+
+def engine_steps(outs: list[dict], speculative: bool) -> int:
+    """One prefill plus the most decode (or verify) steps any request of the batch took."""
+    key = "spec_verify_ct" if speculative else "completion_tokens"
+    most = max(int(o["meta_info"][key]) for o in outs)
+    return 1 + (most if speculative else most - 1)
+
+
+def per_step_case(label: str, cfg: ExtractConfig, batches: list[int], repeats: int, clock: Path) -> list[str]:
+    from transformers import AutoTokenizer
+
+    from hsx.data.render import Prompt
+
+    runner = SGLangRunner(cfg)
+    speculative = cfg.spec_algorithm is not None
+    tok = AutoTokenizer.from_pretrained(cfg.model)
+    words = demo_corpus().split()
+    generate = runner.engine.generate
+    inside = {"s": 0.0, "steps": 0}
+
+    def timed_generate(*args, **kwargs):
+        t = time.perf_counter()
+        outs = generate(*args, **kwargs)
+        inside["s"] += time.perf_counter() - t
+        inside["steps"] = engine_steps(outs if isinstance(outs, list) else [outs], speculative)
+        return outs
+
+    def plain(prompts) -> dict:
+        t = time.perf_counter()
+        outs = generate(input_ids=[p.input_ids for p in prompts], sampling_params=runner._sampling())
+        return {"wall": time.perf_counter() - t, "steps": engine_steps(outs, speculative),
+                "tokens": sum(len(o["output_ids"]) for o in outs)}
+
+    def captured(prompts) -> dict:
+        inside["s"] = 0.0
+        clock.write_text("")
+        runner.engine.generate = timed_generate
+        try:
+            t = time.perf_counter()
+            samples = runner.run(prompts)
+            wall = time.perf_counter() - t
+        finally:
+            runner.engine.generate = generate
+        bad = [s for s in samples if not hasattr(s, "input_ids")]
+        if bad:
+            raise SystemExit(f"{label}: hsx failed a sample: {bad[0]}")
+        in_step = sum(float(x) for x in clock.read_text().split())
+        return {"wall": wall, "steps": inside["steps"], "in_step": in_step, "after": wall - inside["s"],
+                "tokens": sum(int(s.input_ids.numel()) - int(s.prompt_len) for s in samples)}
+
+    rows = []
+    try:
+        for b in batches:
+            texts = [" ".join(words[(i * 37) % (len(words) - 80):][: 8 + (i * 13) % 72]) for i in range(b)]
+            ids = [list(tok(t, add_special_tokens=True)["input_ids"]) for t in texts]
+            prompts = [Prompt(f"p{i}", i, x, [1] * len(x)) for i, x in enumerate(ids)]
+            plain(prompts), captured(prompts)  # warm-up
+            runs = {"plain": [], "hsx": []}
+            for k in range(repeats):
+                for side in ("plain", "hsx") if k % 2 == 0 else ("hsx", "plain"):
+                    runs[side].append(plain(prompts) if side == "plain" else captured(prompts))
+            rows.append(per_step_row(label, b, runs))
+            print(f"[bench] {rows[-1]}", flush=True)
+    finally:
+        runner.engine.shutdown()
+    return rows
+
+
+def per_step_row(label: str, batch: int, runs: dict[str, list[dict]]) -> str:
+    """ms per engine step, medians over the runs: hsx's own work timed where it runs, and the sides' difference."""
+    tokens = {r["tokens"] for side in runs.values() for r in side}
+    if len(tokens) != 1:
+        raise SystemExit(f"{label} batch {batch}: completion tokens differ between runs or sides: {tokens}")
+    n = max(r["steps"] for side in runs.values() for r in side)
+
+    def ms(side, key):
+        return statistics.median(1e3 * r[key] / n for r in runs[side])
+
+    added = statistics.median(1e3 * (h["wall"] - p["wall"]) / n for h, p in zip(runs["hsx"], runs["plain"], strict=True))
+    plain_wall, in_step, after = ms("plain", "wall"), ms("hsx", "in_step"), ms("hsx", "after")
+    return (f"| {label} | {batch} | {n} | {plain_wall:.2f} | {in_step:.3f} | {after:.3f} | "
+            f"{100 * (in_step + after) / plain_wall:.1f}% | {added:+.2f} |")
+
+
+def per_step_main(args) -> int:
+    from hsx.demo.spec_models import build_spec_models
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    work = args.work or Path(tempfile.mkdtemp(prefix="hsx-bench-sglang-"))
+    models = build_spec_models(work / "models")
+    base = dict(model=str(models.target), engine="sglang", device="cpu", model_dtype="float32", dtype="bfloat16",
+                max_new_tokens=32, seed=0, engine_args=dict(PER_STEP_ARGS))
+    cases = [("demo plain", ExtractConfig(**base, layers="final")),
+             ("demo EAGLE3", ExtractConfig(**base, layers="final,eagle3", eagle3_layer_ids=[1, 3, 5],
+                                           spec_algorithm="EAGLE3", draft_model=str(models.eagle3), spec_num_steps=3,
+                                           spec_topk=1, spec_num_draft_tokens=4))]
+    batches = [int(b) for b in args.batches.split(",")]
+    clock = Path(os.environ.setdefault("HSX_LANE_CAPTURE_CLOCK", str(work / "capture-clock.txt")))
+    rows = []
+    for label, cfg in cases:
+        rows += per_step_case(label, cfg, batches, args.repeats, clock)
+    print("\n".join(["| case | batch | engine steps | plain ms/step | hsx in the scheduler, ms/step | "
+                     "hsx after generate, ms/step | hsx's own / plain | wall added, ms/step |",
+                     "|---|---|---|---|---|---|---|---|", *rows]))
+    print(f"[bench] {os.cpu_count()} CPUs, {args.repeats} runs a side, 32 new tokens a prompt")
     return 0
 
 

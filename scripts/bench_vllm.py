@@ -15,11 +15,31 @@ the time inside ``VLLMRunner.run`` (``LLM.generate`` plus taking the captured ro
 samples). Completion token counts are checked equal between the sides. ``--eagle3`` adds the demo's
 EAGLE3 head (3 steps, ``--layers final,eagle3``) against plain vLLM with the same speculative config.
 Prints a table of hsx/plain ratios (min and median over repeats).
+
+``--per-step`` measures what the capture adds to each engine step instead, in one process and one engine
+per case (so start-up and machine load drift leave the comparison), at batch sizes ``--batches``:
+
+    bash scripts/vllm_cpu.sh python scripts/bench_vllm.py --per-step [--batches 1,16,64] [--smollm2 DIR]
+
+  plain  ``LLM.generate`` of untagged requests with the runner's own ``sample_tokens`` back in place;
+  hsx    ``VLLMRunner.run`` of the same prompts (tagged requests, the capture installed).
+The sides alternate, ``--repeats`` times each after one warm-up each; engine steps (calls of the runner's
+``sample_tokens``) and completion tokens must be equal on both sides. Per engine step (medians over the
+runs): plain's wall time; hsx's own work timed where it runs: in the step (the capture's wrapper less the
+sampling it wraps) and after ``generate`` (taking the records, building the samples), and their sum as a
+share of the plain step; and the differences of the sides' wall and process CPU times (noisier on a
+shared machine, but they hold everything). Cases: the demo target plain (``--layers final,b2,b4,b6``)
+and with the demo EAGLE3 head (``final,eagle3``, 3 steps); with ``--smollm2 DIR`` (a checkpoint:
+``hsx.demo.pretrained.smollm2_checkpoint()``) SmolLM2-135M plain too; with ``--model DIR`` that checkpoint
+only (and ``--draft HEAD``, an EAGLE3 head in vLLM's format), on ``--device`` in ``--model-dtype`` (a GPU:
+``scripts/bench_gpu.sh --vllm``). Each batch also prints both sides' tokens/s (prompt + completion) and
+the bytes per second of rows hsx hands on to the shard writer.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -186,9 +206,20 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--eagle3", action="store_true", help="also the EAGLE3 case, at the first size")
     ap.add_argument("--child", nargs=3, metavar=("SIDE", "SPEC", "RESULT"), help=argparse.SUPPRESS)
+    ap.add_argument("--per-step", action="store_true", help="hsx's added time per engine step, in one process")
+    ap.add_argument("--batches", default="1,16,64", help="batch sizes of --per-step")
+    ap.add_argument("--new-tokens", type=int, default=32, help="completion tokens per prompt in --per-step")
+    ap.add_argument("--smollm2", help="--per-step also on this SmolLM2-135M checkpoint directory")
+    ap.add_argument("--model", help="--per-step on this checkpoint only (plain, and EAGLE3 with --draft)")
+    ap.add_argument("--draft", help="an EAGLE3 head in vLLM's format for --model")
+    ap.add_argument("--device", default="cpu", help="--per-step device (cuda on a GPU)")
+    ap.add_argument("--model-dtype", default="float32", help="--per-step compute dtype (bfloat16 on a GPU)")
     a = ap.parse_args()
     if a.child:
         child(*a.child)
+        return
+    if a.per_step:
+        per_step_main(a)
         return
     sys.path.insert(0, str(ROOT / "scripts" / "vllm_cpu"))
     from heads import vllm_heads
@@ -228,6 +259,177 @@ def run_cases(cases: list[Path], root: Path, repeats: int) -> list[str]:
                       f"{r['tokens']} tokens", flush=True)
         rows += summarise(case.stem, runs)
     return rows
+
+
+# ---- --per-step: one process, one engine per case ---------------------------------------------------
+
+class Steps:
+    """Around the model runner's own ``sample_tokens``: counts the engine steps and times them."""
+
+    def __init__(self, inner):
+        self.inner, self.count, self.seconds = inner, 0, 0.0
+
+    def __call__(self, grammar_output):
+        self.count += 1
+        t = time.perf_counter()
+        try:
+            return self.inner(grammar_output)
+        finally:
+            self.seconds += time.perf_counter() - t
+
+
+def _model_runner(worker):
+    return worker.model_runner
+
+
+def timed_capture(capture, clock: dict) -> None:
+    """Times every call of hsx's capture (its own work plus the sampling it wraps) into ``clock["capture_s"]``."""
+    call = type(capture).__call__
+
+    def timed(self, grammar_output):
+        t = time.perf_counter()
+        try:
+            return call(self, grammar_output)
+        finally:
+            clock["capture_s"] += time.perf_counter() - t
+
+    capture.__class__ = type("TimedCapture", (type(capture),), {"__call__": timed})  # still the capture class
+
+
+def per_step_case(label: str, model: str, draft, batches: list[int], new_tokens: int, repeats: int,
+                  device: str = "cpu", model_dtype: str = "float32") -> list[str]:
+    from transformers import AutoTokenizer
+
+    from hsx.config import ExtractConfig
+    from hsx.data.render import Prompt
+    from hsx.demo.tokenizer import demo_corpus
+    from hsx.engine.vllm.runner import VLLMRunner
+
+    spec = {"layers": "final,eagle3", "spec_algorithm": "EAGLE3", "draft_model": str(draft), "spec_num_steps": 3} \
+        if draft else {"layers": f"final,{BOUNDARIES}"}
+    cfg = ExtractConfig(model=model, engine="vllm", device=device, model_dtype=model_dtype, dtype="bfloat16",
+                        max_new_tokens=new_tokens, batch_size=max(batches), engine_args=dict(ENGINE), **spec)
+    runner = VLLMRunner(cfg)
+    model_runner = runner.llm.collective_rpc(_model_runner)[0]
+    capture = model_runner.sample_tokens
+    sampling = capture.inner  # the runner's own sample_tokens
+    clock = {"generate_s": 0.0, "capture_s": 0.0}
+    timed_capture(capture, clock)
+    tok = AutoTokenizer.from_pretrained(model)
+    words = demo_corpus().split()
+    generate = runner.llm.generate
+
+    def timed_generate(*args, **kwargs):
+        t = time.perf_counter()
+        out = generate(*args, **kwargs)
+        clock["generate_s"] += time.perf_counter() - t
+        return out
+
+    def plain(prompts) -> dict:
+        counter = model_runner.sample_tokens = Steps(sampling)
+        params = runner._sampling("untagged")
+        params.extra_args = None
+        t, c = time.perf_counter(), time.process_time()
+        outs = generate([{"prompt_token_ids": p.input_ids} for p in prompts], params, use_tqdm=False)
+        return {"wall": time.perf_counter() - t, "cpu": time.process_time() - c, "steps": counter.count,
+                "tokens": sum(len(o.outputs[0].token_ids) for o in outs)}
+
+    def captured(prompts) -> dict:
+        model_runner.sample_tokens = capture  # hsx's take finds it there
+        counter = capture.inner = Steps(sampling)
+        clock.update(generate_s=0.0, capture_s=0.0)
+        runner.llm.generate = timed_generate
+        try:
+            t, c = time.perf_counter(), time.process_time()
+            samples = runner.run(prompts)
+            wall, cpu = time.perf_counter() - t, time.process_time() - c
+        finally:
+            del runner.llm.generate
+        bad = [s for s in samples if not hasattr(s, "input_ids")]
+        if bad:
+            raise SystemExit(f"{label}: hsx failed a sample: {bad[0]}")
+        return {"wall": wall, "cpu": cpu, "steps": counter.count, "in_step": clock["capture_s"] - counter.seconds,
+                "after": wall - clock["generate_s"],
+                "tokens": sum(int(s.input_ids.numel()) - int(s.prompt_len) for s in samples),
+                "bytes": sum(sum(h.numel() * h.element_size() for h in s.hidden.values()) for s in samples)}
+
+    rows = []
+    for b in batches:
+        texts = [" ".join(words[(i * 37) % (len(words) - 80):][: 8 + (i * 13) % 72]) for i in range(b)]
+        ids = [list(tok(t, add_special_tokens=True)["input_ids"]) for t in texts]
+        prompts = [Prompt(f"p{i}", i, x, [1] * len(x)) for i, x in enumerate(ids)]
+        plain(prompts), captured(prompts)  # warm-up
+        runs = {"plain": [], "hsx": []}
+        for k in range(repeats):
+            for side in ("plain", "hsx") if k % 2 == 0 else ("hsx", "plain"):
+                runs[side].append(plain(prompts) if side == "plain" else captured(prompts))
+        rows.append(per_step_row(label, b, runs))
+        print(f"[bench] {rows[-1]}", flush=True)
+        print(f"[bench] {throughput(label, b, ids, runs)}", flush=True)
+    return rows
+
+
+def throughput(label: str, batch: int, prompts: list[list[int]], runs: dict[str, list[dict]]) -> str:
+    """Tokens/s (prompt + completion) of each side and the rows hsx hands on per second (bf16), medians."""
+    tokens = sum(map(len, prompts)) + runs["plain"][0]["tokens"]
+    plain = statistics.median(tokens / r["wall"] for r in runs["plain"])
+    hsx = statistics.median(tokens / r["wall"] for r in runs["hsx"])
+    rate = statistics.median(r["bytes"] / r["wall"] for r in runs["hsx"])
+    return (f"{label} batch {batch}: plain {plain:,.0f} tokens/s, capture on {hsx:,.0f} tokens/s ({hsx / plain:.3f}x), "
+            f"rows handed to the writer {rate / 1e6:,.1f} MB/s")
+
+
+def per_step_row(label: str, batch: int, runs: dict[str, list[dict]]) -> str:
+    """ms per engine step, medians over the runs; hsx's own work timed where it runs, and the sides' differences."""
+    steps = {r["steps"] for side in runs.values() for r in side}
+    tokens = {r["tokens"] for side in runs.values() for r in side}
+    if len(steps) != 1 or len(tokens) != 1:
+        raise SystemExit(f"{label} batch {batch}: engine steps {steps} or completion tokens {tokens} differ between runs")
+    n = steps.pop()
+
+    def ms(side, key):
+        return statistics.median(1e3 * r[key] / n for r in runs[side])
+
+    def added(key):
+        return statistics.median(1e3 * (h[key] - p[key]) / n for h, p in zip(runs["hsx"], runs["plain"], strict=True))
+
+    plain_wall, in_step, after = ms("plain", "wall"), ms("hsx", "in_step"), ms("hsx", "after")
+    return (f"| {label} | {batch} | {n} | {plain_wall:.2f} | {in_step:.3f} | {after:.3f} | "
+            f"{100 * (in_step + after) / plain_wall:.1f}% | {added('wall'):+.2f} | {ms('plain', 'cpu'):.2f} | "
+            f"{added('cpu'):+.2f} |")
+
+
+PER_STEP_HEADER = ["| case | batch | engine steps | plain ms/step | hsx in the step, ms/step | hsx after generate, ms/step | "
+                   "hsx's own / plain | wall added, ms/step | plain CPU ms/step | CPU added, ms/step |",
+                   "|---|---|---|---|---|---|---|---|---|---|"]
+
+
+def per_step_main(a) -> None:
+    sys.path.insert(0, str(ROOT / "scripts" / "vllm_cpu"))
+    from heads import vllm_heads
+
+    from hsx.demo.spec_models import build_spec_models
+
+    batches = [int(b) for b in a.batches.split(",")]
+    root = Path(tempfile.mkdtemp(prefix="hsx-bench-vllm-"))
+    try:
+        if a.model:
+            name = Path(a.model).name
+            cases = [(f"{name} plain", a.model, None)] + ([(f"{name} EAGLE3", a.model, a.draft)] if a.draft else [])
+        else:
+            models = build_spec_models(root / "models")
+            cases = [("demo plain", str(models.target), None),
+                     ("demo EAGLE3", str(models.target), vllm_heads(models)[1])]
+            if a.smollm2:
+                cases.append(("SmolLM2-135M plain", a.smollm2, None))
+        rows = []
+        for label, model, draft in cases:
+            rows += per_step_case(label, model, draft, batches, a.new_tokens, a.repeats, a.device, a.model_dtype)
+            gc.collect()  # the case's engine
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print("\n".join([*PER_STEP_HEADER, *rows]))
+    print(f"[bench] {os.cpu_count()} CPUs, {a.repeats} runs a side, {a.new_tokens} new tokens a prompt")
 
 
 if __name__ == "__main__":

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +29,7 @@ from hsx.cli import app  # noqa: E402
 from hsx.config import ExtractConfig  # noqa: E402
 from hsx.data.render import Prompt  # noqa: E402
 from hsx.demo.spec_models import build_spec_models  # noqa: E402
-from hsx.engine.vllm.capture import _Record, assemble, check_version  # noqa: E402
+from hsx.engine.vllm.capture import check_version  # noqa: E402
 from hsx.errors import HsxError  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts" / "vllm_cpu"))
@@ -56,7 +58,7 @@ def prompts(models, lengths=(3, 21, 70), regime="mixed", seed=0) -> list[Prompt]
     out = []
     for i, n in enumerate(lengths):
         ids = pool[torch.randint(len(pool), (n,), generator=g)]
-        ids[-1] = models.classes[regime][i]
+        ids[-1] = models.classes[regime][i % len(models.classes[regime])]
         out.append(Prompt(f"s{i}", i, ids.tolist(), [1] * n))
     return out
 
@@ -163,30 +165,6 @@ def test_the_version_gate():
             check_version(other)
 
 
-def _record(steps):
-    """A capture record of (first position, rows values) steps; each row's value is its position * 10 + run."""
-    rec = _Record()
-    for run, (first, n) in enumerate(steps):
-        pos = torch.arange(first, first + n)
-        rec.positions.append(pos)
-        rec.fed.append(pos + 100)
-        rec.rows.setdefault("final", []).append((pos * 10 + run).float()[:, None])
-        rec.sampled.append((first + n, [7]))
-    return rec.as_dict()
-
-
-def test_assembly_keeps_the_latest_row_of_each_position():
-    got = assemble(_record([(0, 5), (5, 1), (6, 2), (0, 8), (8, 1)]))  # preempted after 8, recomputed 0..7
-    assert got.recomputed == 8
-    assert got.fed.tolist() == list(range(100, 109))
-    assert got.rows["final"][:, 0].tolist() == [p * 10 + (3 if p < 8 else 4) for p in range(9)]
-    assert [s for s, _ in got.steps] == [5, 6, 8, 9]
-
-
-def test_assembly_names_a_missing_position():
-    assert "miss positions [5]" in assemble(_record([(0, 5), (6, 2)]))
-
-
 def test_multiprocess_engine_core_returns_the_same_rows(models, monkeypatch):
     """The engine core in its own process (vLLM's default): the capture is reached through collective_rpc."""
     from hsx.engine.vllm.runner import VLLMRunner
@@ -205,3 +183,68 @@ def test_multiprocess_engine_core_returns_the_same_rows(models, monkeypatch):
             ref = src[source][: s.hidden[name].shape[0]]
             assert s.hidden[name].shape[0] == s.input_ids.numel() - 1
             assert float((s.hidden[name] - ref).abs().max() / ref.abs().max()) < 1e-4
+
+
+# tensor operations that move a tensor's values into another tensor: what a copy to host memory is made of
+COPIES = {"clone", "_to_copy", "copy_", "index_select", "index", "cat", "stack", "contiguous", "gather"}
+
+
+class StepWork(TorchDispatchMode):
+    """Counts the tensor operations hsx's capture runs in each engine step, vLLM's own sampling left out."""
+
+    def __init__(self, model_runner):
+        super().__init__()
+        self.steps: list[Counter] = []
+        self.paused = False
+        capture = model_runner.sample_tokens
+        inner = capture.inner
+
+        def sampling_uncounted(grammar_output):
+            self.paused = True
+            try:
+                return inner(grammar_output)
+            finally:
+                self.paused = False
+
+        step = type(capture).__call__
+
+        def counted_step(capture_self, grammar_output):
+            self.steps.append(Counter())
+            with self:
+                return step(capture_self, grammar_output)
+
+        capture.inner = sampling_uncounted
+        # the capture stays the runner's sample_tokens (its take looks for it there), counted through a subclass
+        capture.__class__ = type("CountedCapture", (type(capture),), {"__call__": counted_step})
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.steps[-1][func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _model_runner(worker):
+    return worker.model_runner
+
+
+def test_capture_work_per_step_does_not_grow_with_the_batch(models):
+    """Batches of 1, 8 and 64 tagged requests (prompts of 4-60 tokens, 4 new tokens, 4 sources): the most
+    tensor operations, and the most copies, the capture runs in one step are the same at every batch size."""
+    from hsx.engine.vllm.runner import VLLMRunner
+
+    runner = VLLMRunner(config(models, "vllm", layers="final,b2,b4,b6", max_new_tokens=4))
+    work = StepWork(runner.llm.collective_rpc(_model_runner)[0])
+    most, copies = {}, {}
+    for size in (1, 8, 64):
+        work.steps.clear()
+        batch = prompts(models, lengths=[4 + (7 * i) % 57 for i in range(size)], seed=size)
+        for s in runner.run(batch):
+            assert isinstance(s, AlignedSample), s
+        counted = [c for c in work.steps if c]
+        assert len(counted) >= 4, f"batch {size}: {len(counted)} steps"
+        most[size] = max(sum(c.values()) for c in counted)
+        copies[size] = max(sum(n for op, n in c.items() if op in COPIES) for c in counted)
+    print(f"[capture] most tensor operations in a step by batch size {most}, of them copies {copies}")
+    assert copies[1] > 0
+    assert most[8] <= most[1] and most[64] <= most[1], most
+    assert copies[8] <= copies[1] and copies[64] <= copies[1], copies

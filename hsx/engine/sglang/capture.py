@@ -160,18 +160,15 @@ class Writer:
         return out
 
     def append(self, rid: str, kind: int, rows: dict[str, torch.Tensor], tokens: torch.Tensor) -> None:
+        """One record onto the request's file: one ``writev`` of views (the rows are already on the host)."""
         n = next(iter(rows.values())).shape[0]
-        head = np.array([kind, n, tokens.numel()], dtype="<i8")
-        with open(self.spec.path(rid), "ab") as f:
-            f.write(head.tobytes())
-            f.write(tokens.to("cpu", torch.int64).numpy().astype("<i8", copy=False).tobytes())
-            for col in self.spec.columns:
-                f.write(_raw(rows[col.name]))
+        ids = tokens.to("cpu", torch.int64).numpy().astype("<i8", copy=False)
+        head = np.array([kind, n, ids.size], dtype="<i8")
+        _append(self.spec.path(rid), [head, ids, *(_raw(rows[col.name]) for col in self.spec.columns)])
 
     def error(self, rid: str, message: str) -> None:
         text = message.encode()
-        with open(self.spec.path(rid), "ab") as f:
-            f.write(np.array([ERROR, 0, len(text)], dtype="<i8").tobytes() + text)
+        _append(self.spec.path(rid), [np.array([ERROR, 0, len(text)], dtype="<i8"), text])
 
     def _columns_or_errors(self, reqs: Sequence, sources: dict, where: str) -> dict | None:
         """The step's columns, or None after an error record for each of our requests in it."""
@@ -231,6 +228,22 @@ def front(x: torch.Tensor, accept_index: torch.Tensor, batch: int, stride: int) 
     out = x.clone()
     out.view(batch, stride, -1)[:, :depth] = picked.view(batch, depth, -1)
     return out
+
+
+def _append(path: Path, parts: list) -> None:
+    """``parts`` (buffers) appended to ``path`` in order, by ``writev`` (repeated after a short write)."""
+    views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        while views:
+            done = os.writev(fd, views)
+            while views and done >= len(views[0]):
+                done -= len(views[0])
+                views.pop(0)
+            if views:
+                views[0] = views[0][done:]
+    finally:
+        os.close(fd)
 
 
 def _raw(t: torch.Tensor) -> memoryview:

@@ -35,7 +35,7 @@ from hsx.align import EAGLE3, FINAL, Collector, LayerGroup, ModelShape, parse_la
 from hsx.config import ExtractConfig
 from hsx.heads.layer_ids import (CONVERT_FOR_VLLM, RULE_KEY, VLLM_READING, HeadLayers, eagle3_ids_as_boundaries, head_marker,
                                   resolve_head_layers)
-from hsx.engine.vllm.capture import EXTENSION, TAG, Assembled, assemble, check_version, source_key
+from hsx.engine.vllm.capture import EXTENSION, TAG, Assembled, assemble, check_version, source_key, unpack
 from hsx.engine.contract import Runner, in_batches, load_configs, stop_token_ids
 from hsx.errors import AlignmentError, HsxError, SampleError
 from hsx.shards.format import dtype_of
@@ -222,6 +222,7 @@ class VLLMRunner(Runner):
         for answer in answers:
             if "error" in answer:
                 raise HsxError(f"hsx's capture cannot run in this vLLM engine: {answer['error']}")
+            self._packed = answer["pid"] != os.getpid()  # the worker in another process: records come as bytes
             if tuple(answer["aux"]) != plan.aux:
                 raise HsxError(f"vLLM's model returns the inputs of layers {answer['aux']}, hsx planned boundaries "
                                f"{list(plan.aux)} (vLLM id = boundary): the draft config's ids were not read as hsx "
@@ -266,7 +267,9 @@ class VLLMRunner(Runner):
         try:
             outs = self.llm.generate([{"prompt_token_ids": x} for x in ids], [self._sampling(t) for t in tags],
                                      use_tqdm=False)
-            records = self.llm.collective_rpc("hsx_capture_take", args=(tags,))[0]
+            records = self.llm.collective_rpc("hsx_capture_take", args=(tags, self._packed))[0]
+            if self._packed:
+                records = unpack(records)
         except RuntimeError as e:
             if CPU_ATTENTION_REFUSAL not in str(e):
                 raise

@@ -20,6 +20,10 @@ Test-only code: the ``hsx`` package never imports it. What it does, and nothing 
    raise ``LaneListPathTaken``, so a run that selects hsx's capture fails if SGLang's list path
    is taken anyway.
 
+7. With ``HSX_LANE_CAPTURE_CLOCK=PATH`` (benchmarks): after ``hsx.engine.sglang.capture`` is imported, the
+   result-processor wrappers it installs are timed; each call appends to PATH its own seconds (the
+   wrapper's time less the SGLang method it wraps).
+
 All of it names 0.5.23's private modules; another SGLang version is refused.
 """
 
@@ -46,6 +50,7 @@ def install() -> None:
             "sglang.srt.layers.attention.attention_registry": _register_torch_native,
             "sglang.srt.speculative.draft_utils": _teach_draft_factory,
             "sglang.srt.managers.scheduler_components.batch_result_processor": _forbid_lists,
+            "hsx.engine.sglang.capture": _clock_capture,
         }))
 
 
@@ -127,3 +132,39 @@ def _forbid_lists(brp) -> None:
 
     for name in ("_append_prefill_hidden_states", "_append_decode_hidden_states"):
         setattr(proc, name, tripwire(name))
+
+
+def _clock_capture(capture) -> None:
+    path = os.environ.get("HSX_LANE_CAPTURE_CLOCK")
+    if not path:
+        return
+    import time
+
+    def timed(make):
+        def make_timed(fn, *args):
+            inside = [0.0]
+
+            def sglang_method(*a, **k):
+                t = time.perf_counter()
+                try:
+                    return fn(*a, **k)
+                finally:
+                    inside[0] += time.perf_counter() - t
+
+            wrapped = make(sglang_method, *args)
+
+            def clocked(*a, **k):
+                t, before = time.perf_counter(), inside[0]
+                try:
+                    return wrapped(*a, **k)
+                finally:
+                    own = time.perf_counter() - t - (inside[0] - before)
+                    with open(path, "a") as f:
+                        f.write(f"{own:.9f}\n")
+
+            return clocked
+
+        return make_timed
+
+    capture._wrap_prefill = timed(capture._wrap_prefill)
+    capture._wrap_decode = timed(capture._wrap_decode)

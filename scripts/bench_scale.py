@@ -20,7 +20,9 @@ fresh process (its peak resident memory is VmHWM, imports included):
     python scripts/bench_scale.py --samples 1000000 --steps commits    # the manifest alone at 1M
     PYTHONPATH=/path/to/older/hsx python scripts/bench_scale.py ...    # the same steps on another hsx
 
-Prints one table (seconds, microseconds per sample, peak RSS) and writes it as JSON with ``--json``.
+Prints one table (seconds, microseconds per sample, peak RSS, and the bytes the step handed to
+``write(2)``, from ``/proc/self/io``: unlike seconds, they do not depend on the disk's load) and writes
+it as JSON with ``--json``.
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ from hsx.shards.manifest import save_manifest
 from hsx.shards.verify import inspect, verify
 step, out, n, per_shard = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 
+def written():  # bytes this process handed to write(2): shards, manifest, everything
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("wchar:"))
+
 def peak_kb():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
@@ -62,7 +68,7 @@ def record(i):
     return Record(f"train:{i}", i, torch.arange(k) + i % 1000, 1, torch.ones(k, dtype=torch.uint8), "stop",
                   {"final": hidden[:k]})
 
-t0 = time.perf_counter()
+w0, t0 = written(), time.perf_counter()
 if step == "write":
     sink = ShardSink(out, Manifest(meta, config_hash="bench"), max_shard_samples=per_shard)
     for i in range(n):
@@ -98,14 +104,16 @@ elif step == "inspect":
     assert inspect(out)["samples"] == n
 elif step == "verify":
     assert verify(out).ok
-print(json.dumps({"seconds": time.perf_counter() - t0, "peak_mb": peak_kb() / 1024}))
+print(json.dumps({"seconds": time.perf_counter() - t0, "peak_mb": peak_kb() / 1024, "written_mb": (written() - w0) / 2**20}))
 """
 
 
 def run_step(step: str, out: str, n: int, per_shard: int) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # run from the temp folder: ``python -c`` puts its working directory first on sys.path, and a checkout's
+    # hsx there would shadow the one PYTHONPATH names
     proc = subprocess.run([sys.executable, "-c", CHILD, step, out, str(n), str(per_shard)], capture_output=True,
-                          text=True, env=env)
+                          text=True, env=env, cwd=tempfile.gettempdir())
     if proc.returncode != 0:
         raise SystemExit(f"{step} at {n:,} samples failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -135,7 +143,8 @@ def main() -> None:
                 rows.append({"step": step, "samples": n, "shards": -(-n // args.per_shard), **r,
                              "us_per_sample": 1e6 * r["seconds"] / per})
                 print(f"{step:8s} {n:>10,} samples {rows[-1]['shards']:>8,} shards  {r['seconds']:9.2f} s  "
-                      f"{rows[-1]['us_per_sample']:9.1f} us/sample  peak {r['peak_mb']:7.0f} MB", flush=True)
+                      f"{rows[-1]['us_per_sample']:9.1f} us/sample  peak {r['peak_mb']:7.0f} MB  "
+                      f"written {r['written_mb']:9.1f} MB", flush=True)
     finally:
         if args.store is None:
             shutil.rmtree(base, ignore_errors=True)

@@ -3,8 +3,8 @@
 A writer process puts samples 0..N-1 (tiny: 2 to 4 tokens, width 8, rows drawn from a generator
 seeded by the sample's index) through a ``ShardSink``, resuming from the output's manifest and
 skipping the ids it has. The script runs it once uninterrupted, then again on a second output,
-killing it with SIGKILL at ``--kills`` random moments (uniform over the uninterrupted run's
-duration) and restarting it, until it finishes. It then checks that the second output holds
+killing it with SIGKILL at up to ``--kills`` random moments (each uniform over twice the
+uninterrupted run's duration over ``kills + 1``) and restarting it, until it finishes. It then checks that the second output holds
 every sample exactly once, with the same tokens and bit-identical rows as the first, and that
 ``hsx verify`` passes.
 
@@ -101,7 +101,8 @@ def main() -> None:
     rng, kills, runs = random.Random(args.seed), 0, 0
     while True:
         runs += 1
-        delay = rng.uniform(0, duration) if kills < args.kills else None
+        # about duration / (kills + 1) apart: most runs are killed before the work is done
+        delay = rng.uniform(0, 2 * duration / (args.kills + 1)) if kills < args.kills else None
         if run_writer(killed, args.samples, args.per_shard, delay):
             break
         kills += 1

@@ -33,7 +33,7 @@ def feed(sink, records) -> Manifest:
 
 
 def files(d: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
 def writer_threads() -> list[threading.Thread]:

@@ -22,6 +22,7 @@ from hsx.data.render import Renderer
 from hsx.demo.models import build_tiny_llama
 from hsx.demo.tokenizer import build_demo_tokenizer
 from hsx.errors import HsxError, SampleError
+from hsx.shards.manifest import load_manifest
 from shard_fixtures import finite_records, make_metadata, write_sink
 
 torch.set_num_threads(1)
@@ -94,7 +95,7 @@ def test_an_output_that_committed_nothing_does_not_block_a_different_run(model_d
     runner = CliRunner()
     first = runner.invoke(app, extract_args(model_dir, data, out, "--limit", "0"))
     assert first.exit_code == 0, first.output
-    assert json.loads((out / ".hsx-manifest.json").read_text())["shards"] == []
+    assert load_manifest(out).shards == []
     second = runner.invoke(app, extract_args(model_dir, data, out, "--mode", "prefill"))
     assert second.exit_code == 0, second.output
     assert hsx.open(out).metadata["mode"] == "prefill" and len(hsx.open(out)) == 3

@@ -26,6 +26,7 @@ from hsx.demo.models import build_tiny_llama
 from hsx.demo.tokenizer import build_demo_tokenizer
 from hsx.errors import HsxError
 from hsx.run.preflight import check_extract, looks_local, model_config
+from hsx.shards.manifest import load_manifest
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -325,7 +326,7 @@ def test_ctrl_c_says_what_is_committed_and_the_same_command_resumes(model_dir, t
     manifest = out / ".hsx-manifest.json"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
-        if manifest.exists() and len(json.loads(manifest.read_text())["shards"]) >= 2:
+        if manifest.exists() and len(load_manifest(out).shards) >= 2:
             break
         time.sleep(0.2)
     assert proc.poll() is None, "the run ended before it could be interrupted"

@@ -23,7 +23,7 @@ from hsx.cli import app
 from hsx.config import ExtractConfig
 from hsx.demo.models import build_tiny_llama
 from hsx.demo.tokenizer import build_demo_tokenizer
-from hsx.errors import HsxError
+from hsx.errors import HsxError, ShardError
 from hsx.run.pipeline import extract
 from hsx.shards.manifest import load_manifest
 
@@ -128,8 +128,8 @@ def _title(pid: int) -> str:
 
 def _committed(out: Path) -> int:
     try:
-        return len(json.loads((out / ".hsx-manifest.json").read_text())["shards"])
-    except (OSError, ValueError, KeyError):
+        return len(load_manifest(out).shards)
+    except ShardError:
         return 0
 
 

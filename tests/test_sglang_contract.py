@@ -37,6 +37,7 @@ from hsx.engine.hf import engine as hf_engine
 from hsx.heads.layer_ids import sglang_boundaries, sglang_ids_for
 from hsx.engine.sglang.runner import import_sglang
 from hsx.engine.sglang.capture import HOOK_FACTORY, CaptureSpec, Writer, read_records
+from hsx.shards.manifest import load_manifest
 from hsx.align import Collector
 from hsx.errors import HsxError
 from hsx.run.pipeline import extract
@@ -347,7 +348,7 @@ def test_faults_in_adapter_shards_are_diagnosed(models, tmp_path, fault, want):
 
 
 def _errors(out: Path) -> dict[str, str]:
-    return {e["sample_id"]: e["reason"] for e in json.loads((out / ".hsx-manifest.json").read_text())["errors"]}
+    return {e.sample_id: e.reason for e in load_manifest(out).errors}
 
 
 def test_cached_prefill_rows_are_an_error_record(models, tmp_path):

@@ -37,16 +37,16 @@ ENV = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OF
 # commits when the third row group is handed out), and says so on stdout; a signal still reaches it there.
 # Test code in the child: the library has no test hooks.
 HOLD = """
-import json, sys, time
+import sys, time
 import hsx.run.pipeline as pipeline
+from hsx.shards.manifest import load_manifest
 real = pipeline.write_results
 def write_results(items, sink, summary, after=lambda item: None):
-    manifest = sink.dir / ".hsx-manifest.json"
     def hold(item):
         after(item)
         if summary.samples < 12:
             return
-        while not json.loads(manifest.read_text())["shards"]:
+        while not load_manifest(sink.dir).shards:
             time.sleep(0.01)
         print("held", flush=True)
         while True:

@@ -14,6 +14,8 @@ from hsx.config import ExtractConfig, differences
 from hsx.errors import HsxError
 from hsx.storage.lease import LEASE
 from hsx.storage.lock import LOCK
+from hsx.storage.store import is_remote
+from hsx.shards.commitlog import LOG_DIR
 from hsx.shards.manifest import (CONFIG, LEGACY_CONFIG, LEGACY_MANIFEST, MANIFEST, Manifest, atomic_write_bytes,
                                  foreign_names, load_manifest, manifest_path, save_manifest)
 
@@ -72,9 +74,20 @@ def prepare_output(out: Path, cfg: ExtractConfig, overwrite: bool) -> Manifest |
         raise HsxError(f"{out} exists, is not empty and has no {MANIFEST}; refusing to write into it (use --overwrite)")
     if overwrite and out.exists():
         for p in out.iterdir():
-            if p.name in (MANIFEST, CONFIG, LEGACY_MANIFEST, LEGACY_CONFIG) or p.name.startswith(("shard-", ".shard-", f".{MANIFEST}", f".{LEGACY_MANIFEST}")):
-                p.unlink() if p.is_file() else shutil.rmtree(p)
+            if p.name in (MANIFEST, CONFIG, LEGACY_MANIFEST, LEGACY_CONFIG, LOG_DIR) or p.name.startswith(("shard-", ".shard-", "part-", f".{MANIFEST}", f".{LEGACY_MANIFEST}")):
+                _remove(p)
     return None
+
+
+def _remove(p: Path) -> None:
+    """A file, or a folder of them (the manifest's log, a fanned-out folder of shards); in a store, the objects."""
+    if p.is_file():
+        p.unlink()
+    elif is_remote(p):
+        for child in list(p.iterdir()):
+            child.unlink()
+    else:
+        shutil.rmtree(p)
 
 
 def check_resume(out: Path, resume: Manifest | None, metadata: dict) -> Manifest | None:

@@ -25,8 +25,8 @@ import xxhash
 from hsx.errors import HsxError, ShardError
 from hsx.shards import positions, quant
 
-FORMAT_VERSION = 6  # 6: long samples in pieces (first_row); 5: lossy dtypes; 4: codec (planes layout), positions column, hidden manifest and staged shards
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+FORMAT_VERSION = 7  # 7: manifest as head, segments and commit log; shards fanned out 4,096 a folder; 6: long samples in pieces (first_row); 5: lossy dtypes; 4: codec (planes layout), positions column, hidden manifest and staged shards
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 # A piece's stored bytes in its widest column, at most: Parquet keeps a row in one page, and a page
 # (like a BYTE_ARRAY value) has a 32-bit size.
 PIECE_BYTES = 64 << 20

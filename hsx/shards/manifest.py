@@ -19,12 +19,16 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import xxhash
 
 from hsx.errors import ShardError
+from hsx.shards import commitlog
+from hsx.shards.commitlog import MANIFEST_VERSION, LogState, append, fold, fsync_dir, read_log, start_log
+from hsx.shards.commitlog import atomic_write_bytes  # noqa: F401  (the run and the exports take it from here)
 from hsx.storage.store import as_path, is_remote
 
 MANIFEST = ".hsx-manifest.json"
@@ -59,6 +63,8 @@ class Manifest:
     shards: list[ShardEntry] = field(default_factory=list)
     errors: list[ErrorRecord] = field(default_factory=list)
     complete: bool = False
+    # what is on disk already: a save writes only what came after (None: no manifest of version 2 on disk yet)
+    log: LogState | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_samples(self) -> int:
@@ -69,14 +75,21 @@ class Manifest:
         return {i for s in self.shards for i in s.sample_ids} | {e.sample_id for e in self.errors}
 
     def to_json(self) -> dict:
-        return {"format": MANIFEST_FORMAT, **asdict(self)}
+        """Everything the manifest commits, as one JSON object (the layout of a version 1 manifest)."""
+        return {"format": MANIFEST_FORMAT, "metadata": self.metadata, "config_hash": self.config_hash,
+                "shards": [asdict(s) for s in self.shards], "errors": [asdict(e) for e in self.errors],
+                "complete": self.complete}
+
+
+FAN_OUT_FOLDER = re.compile(r"part-\d{4,}")  # the folders shards fan out to (hsx.shards.sink.fan_out)
 
 
 def written_by_hsx(name: str) -> bool:
-    """A name an output of hsx may hold: its shards (``shard-*.parquet``), the manifest and config of
-    any format, and hidden names (staging files, the lock, the lease), which readers skip."""
+    """A name an output of hsx may hold at its top: its shards (``shard-*.parquet``) and the folders they
+    fan out to (``part-0001``), the manifest and config of any format, and hidden names (staging files,
+    the manifest's records, the lock, the lease), which readers skip."""
     return name.startswith(".") or (name.startswith("shard-") and name.endswith(".parquet")) \
-        or name in (LEGACY_MANIFEST, LEGACY_CONFIG)
+        or FAN_OUT_FOLDER.fullmatch(name) is not None or name in (LEGACY_MANIFEST, LEGACY_CONFIG)
 
 
 def foreign_names(directory: Path) -> list[str]:
@@ -97,8 +110,10 @@ def manifest_path(directory: Path) -> Path:
 
 
 def staged_name(name: str) -> str:
-    """Where shard ``name`` is written until the manifest commits it (hidden from directory readers)."""
-    return f".{name}.part"
+    """Where shard ``name`` is written until the manifest commits it (hidden from directory readers): in the
+    same folder, ``.NAME.part``."""
+    folder, _, base = name.rpartition("/")
+    return f"{folder}/.{base}.part" if folder else f".{base}.part"
 
 
 def shard_path(directory: Path, name: str) -> Path:
@@ -113,12 +128,19 @@ def publish(directory: Path, shards: list["ShardEntry"]) -> None:
     """Rename committed shards still under their staging names to their visible names (in a store:
     copy, then delete the staged object)."""
     directory = as_path(directory)
+    by_folder: dict[str, list[ShardEntry]] = {}
+    for s in shards:
+        by_folder.setdefault(s.file.rpartition("/")[0], []).append(s)
+    for folder, entries in by_folder.items():
+        _publish_folder(directory / folder if folder else directory, directory, entries)
+
+
+def _publish_folder(folder: Path, directory: Path, shards: list[ShardEntry]) -> None:
     if is_remote(directory):
-        if shards:
-            staged = {p.name for p in directory.iterdir(startswith=".")}  # one listing, not one request a shard
-            for s in shards:
-                if staged_name(s.file) in staged:
-                    (directory / staged_name(s.file)).replace(directory / s.file)
+        staged = {p.name for p in folder.iterdir(startswith=".")}  # one listing, not one request a shard
+        for s in shards:
+            if staged_name(s.file).rpartition("/")[2] in staged:
+                (directory / staged_name(s.file)).replace(directory / s.file)
         return
     moved = False
     for s in shards:
@@ -127,10 +149,12 @@ def publish(directory: Path, shards: list["ShardEntry"]) -> None:
             os.replace(staged, directory / s.file)
             moved = True
     if moved:
-        fsync_dir(directory)
+        fsync_dir(folder)
 
 
 def load_manifest(directory: str | Path) -> Manifest:
+    """The manifest of an output: its head, and (version 2) its segments and commit records."""
+    directory = as_path(directory)
     path = manifest_path(directory)
     try:
         raw = json.loads(path.read_text())
@@ -140,51 +164,43 @@ def load_manifest(directory: str | Path) -> Manifest:
         raise ShardError(f"{path}: manifest is not valid JSON ({e})") from None
     if raw.get("format") != MANIFEST_FORMAT:
         raise ShardError(f"{path}: not an hsx manifest (format={raw.get('format')!r})")
+    version = raw.get("version", 1)
     try:
-        return Manifest(
-            metadata=raw["metadata"],
-            config_hash=raw.get("config_hash"),
-            shards=[ShardEntry(**s) for s in raw["shards"]],
-            errors=[ErrorRecord(**e) for e in raw.get("errors", [])],
-            complete=bool(raw.get("complete", False)),
-        )
+        if version == 1:
+            shards, errors, complete, log = raw["shards"], raw.get("errors", []), raw.get("complete", False), None
+        elif version == MANIFEST_VERSION:
+            shards, errors, log = read_log(directory, path, raw)
+            complete = log.complete
+        else:
+            raise ShardError(f"{path}: manifest version {version!r}; this hsx reads versions 1 to {MANIFEST_VERSION} "
+                             "(a newer hsx wrote it: upgrade hsx)")
+        return Manifest(metadata=raw["metadata"], config_hash=raw.get("config_hash"),
+                        shards=[ShardEntry(**s) for s in shards], errors=[ErrorRecord(**e) for e in errors],
+                        complete=bool(complete), log=log)
     except (KeyError, TypeError) as e:
         raise ShardError(f"{path}: manifest is missing or has malformed fields ({e})") from None
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write via a temp file in the same directory, fsync, rename, fsync the directory (in a store: one put,
-    which is atomic)."""
-    if is_remote(path):
-        as_path(path).write_bytes(data)
-        return
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_manifest(directory: str | Path, manifest: Manifest) -> None:
-    """Save the manifest: the commit. In a store, a put conditional on the manifest being as this
-    process last read or wrote it (see :meth:`hsx.storage.store.ObjectPath.commit_bytes`)."""
-    data = json.dumps(manifest.to_json(), indent=1).encode()
-    path = manifest_path(directory)
-    if is_remote(path):
-        path.commit_bytes(data)
-    else:
-        atomic_write_bytes(path, data)
+    """Commit what ``manifest`` holds beyond what is on disk: one record of the commit log (folded into a
+    segment every ``COMPACT_EVERY`` records), so a commit writes what it commits, not the whole manifest.
+    The first save of a new output, or of one written before format 7, saves a head (in a store, a put
+    conditional on the head as this process last read it, see
+    :meth:`hsx.storage.store.ObjectPath.commit_bytes`). A save with nothing new writes nothing."""
+    directory = as_path(directory)
+    log = manifest.log
+    if log is None:
+        fields = {"metadata": manifest.metadata, "config_hash": manifest.config_hash}
+        manifest.log = start_log(directory, manifest_path(directory), fields, [asdict(s) for s in manifest.shards],
+                                 [asdict(e) for e in manifest.errors], manifest.complete)
+        return
+    shards, errors = manifest.shards[log.shards:], manifest.errors[log.errors:]
+    if not shards and not errors and manifest.complete == log.complete:
+        return
+    append(directory, log, [asdict(s) for s in shards], [asdict(e) for e in errors], manifest.complete)
+    if log.records >= commitlog.COMPACT_EVERY:
+        fold(directory, log, [asdict(s) for s in manifest.shards[log.folded_shards:]],
+             [asdict(e) for e in manifest.errors[log.folded_errors:]])
 
 
 def file_checksum(path: str | Path) -> str:

@@ -20,7 +20,7 @@ from typing import Callable
 
 from hsx.errors import ShardError
 from hsx.shards import format as fmt
-from hsx.shards.manifest import (ErrorRecord, Manifest, ShardEntry, publish, save_manifest, staged_name,
+from hsx.shards.manifest import (ErrorRecord, Manifest, ShardEntry, fsync_dir, publish, save_manifest, staged_name,
                                  streamed_checksum)
 from hsx.shards.writer import Record, ShardStats, ShardWriter
 from hsx.storage.store import StoreError, as_path, is_remote, spool_file
@@ -29,8 +29,19 @@ DEFAULT_LANES = min(4, os.cpu_count() or 1)  # BackgroundSink's lanes: the pipel
 ROW_GROUP_BYTES = 64 << 20  # records' bytes per row group (with several lanes, per shard)
 
 
+SHARDS_PER_FOLDER = 4096  # well under the ~10K files a folder should hold (HF Hub), staged copies included
+
+
 def shard_name(index: int) -> str:
-    return f"shard-{index:05d}.parquet"
+    """The ``index``-th shard's file: ``shard-00000.parquet`` .. ``shard-04095.parquet`` in the output's
+    folder, then 4,096 a folder: ``part-0001/shard-04096.parquet`` and on."""
+    return fan_out(f"shard-{index:05d}.parquet", index)
+
+
+def fan_out(name: str, index: int) -> str:
+    """``name`` in the folder of the ``index``-th of its kind (4,096 a folder; the first ones at the top)."""
+    folder = index // SHARDS_PER_FOLDER
+    return f"part-{folder:04d}/{name}" if folder else name
 
 
 class _WriteFailed(Exception):
@@ -41,7 +52,7 @@ class _WriteFailed(Exception):
         self.shard, self.error, self.written = shard, error, written
 
 
-SHARD_NAME = re.compile(r"shard-(\d{5})\.parquet")
+SHARD_NAME = re.compile(r"(?:part-\d{4,}/)?shard-(\d{5,})\.parquet")
 
 
 @dataclass(eq=False)  # lanes are told apart by identity (two empty lanes are not the same lane)
@@ -148,8 +159,7 @@ class ShardSink:
             lane.name = self.names(self._next)
             self._next += 1
             # in an object store the shard is encoded into a local spool file, uploaded when committed
-            lane.writer = ShardWriter(spool_file(self.dir / staged_name(lane.name)), self.manifest.metadata,
-                                      self.piece_bytes)
+            lane.writer = ShardWriter(spool_file(self._staging(lane.name)), self.manifest.metadata, self.piece_bytes)
         records, nbytes = self._buffer, self._buffer_bytes
         self._buffer, self._buffer_bytes = [], 0
         lane.ids += [r.sample_id for r in records]
@@ -162,6 +172,14 @@ class ShardSink:
         if lane.bytes >= self.max_shard_bytes or len(lane.ids) >= self.max_shard_samples:
             self._commit_lane(lane)
             self._save()
+
+    def _staging(self, name: str) -> Path:
+        """Where shard ``name`` is staged; its folder (a fanned-out one, see :func:`shard_name`) made durably."""
+        path = self.dir / staged_name(name)
+        if not is_remote(path) and not path.parent.is_dir():
+            path.parent.mkdir()
+            fsync_dir(self.dir)
+        return path
 
     def _write(self, lane: _Lane, records: list[Record], seal: bool = False) -> None:
         try:

@@ -175,8 +175,7 @@ def verify(path: str | Path) -> VerifyReport:
         report.faults.append(str(e))
         return report
     report.errors, report.complete, report.samples = len(m.errors), m.complete, m.num_samples
-    named = {s.file for s in m.shards} | {MANIFEST, CONFIG, LEGACY_MANIFEST, LEGACY_CONFIG, LOCK, LEASE}
-    report.ignored = sorted(p.name for p in path.iterdir() if p.is_file() and p.name not in named)
+    report.ignored = _unnamed_files(path, m)
     report.foreign = foreign_names(path)
     seen: set[str] = set()
     for entry in m.shards:
@@ -187,6 +186,15 @@ def verify(path: str | Path) -> VerifyReport:
         seen.update(entry.sample_ids)
         report.shards.append(r)
     return report
+
+
+def _unnamed_files(path: Path, m: Manifest) -> list[str]:
+    """Files the manifest does not name, in the output's folder and the folders its shards fan out to."""
+    named = {s.file for s in m.shards} | {MANIFEST, CONFIG, LEGACY_MANIFEST, LEGACY_CONFIG, LOCK, LEASE}
+    folders = sorted({s.file.rpartition("/")[0] for s in m.shards} - {""})
+    files = [p.name for p in path.iterdir() if p.is_file()]
+    files += [f"{f}/{p.name}" for f in folders for p in (path / f).iterdir() if p.is_file()]
+    return sorted(name for name in files if name not in named)
 
 
 def _verify_one(path: Path, entry: ShardEntry | None, m: Manifest | None) -> ShardReport:

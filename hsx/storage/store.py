@@ -6,7 +6,8 @@ a :class:`pathlib.Path` for ``/local/dir``, an :class:`ObjectPath` for ``s3://bu
 ``is_file``, ``is_dir``, ``iterdir``, ``read_bytes``, ``read_text``, ``write_bytes``, ``unlink``,
 ``replace``) and what a store adds: :meth:`ObjectPath.commit_bytes`, a put that succeeds only if
 the object is unchanged since this process last read or wrote it (``If-Match`` on its ETag) or, when
-it has not seen it, only if it does not exist (``If-None-Match: *``); :meth:`ObjectPath.upload` of a
+it has not seen it, only if it does not exist (``If-None-Match: *``); :meth:`ObjectPath.create_bytes`,
+a put of a new object only (``If-None-Match: *``); :meth:`ObjectPath.upload` of a
 local file; reads through :func:`open_input` (the object downloaded whole, for a reader that checks
 its checksum) or :func:`open_ranged` (ranged GETs of what is read, for the token loader and
 ``inspect``).
@@ -405,6 +406,17 @@ class ObjectPath:
         except ConditionFailed:
             raise HsxError(f"{self}: changed by another writer since this run {'read' if etag else 'started'} it; "
                            "this run's last commit was not made. Only one run may write an output at a time.") from None
+
+    def create_bytes(self, data: bytes) -> None:
+        """Put ``data`` only if no object has this name yet, and only while the run's lease holds: how a
+        single writer adds a record to a log (a second writer's record of the same number is refused)."""
+        if self.store.lease is not None:
+            self.store.lease.check()
+        try:
+            self.store.put(self.key, data, if_none_match=True)
+        except ConditionFailed:
+            raise HsxError(f"{self}: already written by another writer; this run's last commit was not made. "
+                           "Only one run may write an output at a time.") from None
 
     def upload(self, local: Path) -> None:
         self.store.upload(self.key, local)

@@ -25,6 +25,7 @@ from hsx.run.startup import start
 from hsx.errors import HsxError
 from hsx.shards.background import BackgroundSink
 from hsx.shards.manifest import Manifest
+from hsx.shards.sink import fan_out
 from hsx.storage.store import as_path
 from hsx.shards.writer import Record
 
@@ -58,8 +59,9 @@ def decode_item(d: dict) -> Record | Failure:
 
 
 def unit_shard_name(unit: int, attempt: str, part: int) -> str:
-    """``shard-<unit>-<attempt>-<part>.parquet``: the attempt is drawn afresh by every call."""
-    return f"shard-{unit:06d}-{attempt}-{part:02d}.parquet"
+    """``shard-<unit>-<attempt>-<part>.parquet`` (fanned out by unit, see :func:`hsx.shards.sink.fan_out`):
+    the attempt is drawn afresh by every call."""
+    return fan_out(f"shard-{unit:06d}-{attempt}-{part:02d}.parquet", unit)
 
 
 class ExtractWorker:

@@ -36,7 +36,7 @@ from hsx.engine.registry import check_engine
 from hsx.errors import HsxError
 from hsx.run.output import check_foreign, config_refusal
 from hsx.storage.lock import unwritable
-from hsx.shards.manifest import load_manifest, manifest_path
+from hsx.shards.manifest import load_manifest, manifest_config_hash, manifest_path
 from hsx.storage.store import as_path, is_remote
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
@@ -280,6 +280,10 @@ def check_output(cfg: ExtractConfig, overwrite: bool) -> None:
     check_writable(out)
     check_foreign(out, overwrite)
     if overwrite or not manifest_path(out).is_file():
+        return
+    # the head only (one small file): the run reads the whole manifest once, under its lock; here the
+    # rest is read only when the config differs, to tell whether any shard would be lost
+    if manifest_config_hash(out) == cfg.fingerprint():
         return
     m = load_manifest(out)
     if m.shards and m.config_hash != cfg.fingerprint():

@@ -152,6 +152,15 @@ def _publish_folder(folder: Path, directory: Path, shards: list[ShardEntry]) -> 
         fsync_dir(folder)
 
 
+def manifest_config_hash(directory: str | Path) -> str | None:
+    """The config hash an output's manifest records, read from its head alone (a manifest of version 1 is
+    all head); ``None`` when the head cannot be read (:func:`load_manifest` says why)."""
+    try:
+        return json.loads(manifest_path(as_path(directory)).read_text()).get("config_hash")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def load_manifest(directory: str | Path) -> Manifest:
     """The manifest of an output: its head, and (version 2) its segments and commit records."""
     directory = as_path(directory)

@@ -448,15 +448,13 @@ class HFEngine:
         """Layer kinds run only in a forward without a cache (hsx.engine.families.CACHELESS), and hyper-connection
         models' ``final``: refused before the first forward."""
         for driven, what in ((self.target, "target model"), (self.draft, "draft model")):
-            if driven is None:
-                continue
-            kinds = driven.plan.cacheless
-            name = model_type(driven.model)
+            kinds = () if driven is None else driven.plan.cacheless
+            # left padding would shift the compressor's groups of positions
             if kinds and (self.spec is not None or self.prefill_chunk is not None or what == "draft model"
                           or self.padding_side == "left"):
-                # left padding would shift the compressor's groups of positions
-                raise HsxError(f"{what} ({name}): {kinds[0]!r} layers run in prefill mode only, one forward per batch "
-                               f"(no --prefill-chunk, no draft, right padding): {CACHELESS[kinds[0]]}")
+                raise HsxError(f"{what} ({model_type(driven.model)}): {kinds[0]!r} layers run in prefill mode only, "
+                               f"one forward per batch (no --prefill-chunk, no draft, right padding): "
+                               f"{CACHELESS[kinds[0]]}")
         if self.target.layout.collapse is not None and any(FINAL in g.sources for g in self.groups):
             raise HsxError(f"target model ({model_type(self.model)}): 'final' on a model with {self.shape.hc_mult} "
                            f"hyper-connection streams is one collapsed stream, narrower than the format's "

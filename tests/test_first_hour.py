@@ -219,7 +219,7 @@ def test_setup_says_what_it_installs_before_each_step(tmp_path):
                           timeout=120)
     assert done.returncode == 0, done.stderr
     said = [ln for ln in done.stderr.splitlines() if ln.startswith("setup: ")]
-    assert said[0].startswith(f"setup: installing into {venv} (about 2.5 minutes and 2.3 GB")
+    assert said[0].startswith(f"setup: installing into {venv} (2.3 GB the first time: about 2.5 minutes")
     assert [ln.split(" (")[0] for ln in said[1:-1]] == [
         "setup: torch 2.13.0, the CPU build", "setup: hsx and its test tools: transformers, datasets, pyarrow, typer, "
         "Ray, SeaweedFS, nbclient, pytest", "setup: specforge 0.2.0 without its dependencies",

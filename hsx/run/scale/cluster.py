@@ -8,9 +8,9 @@ process joining by ``address="auto"`` only; a process joining by an explicit add
 sent (a cluster without authentication ignores it).
 
 Trainer ranks on one machine (torchrun ``--standalone``, or every rank on one node) need no cluster
-started beforehand: :func:`rank_cluster` lets rank 0 join the cluster ``auto`` finds or start a local
-one it owns (and stops when its feed closes), and tells the other ranks its address through a file
-named after the job in the temporary directory.
+started beforehand: with no address named, rank 0 starts a local Ray it owns (and stops when its
+feed closes) and tells the other ranks its address through a file named after the job in the
+temporary directory (:func:`publish_address`, :func:`await_address`).
 """
 
 from __future__ import annotations
@@ -45,15 +45,11 @@ def use_token_if_present() -> None:
     maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
-class NoCluster(HsxError):
-    """``auto`` found no running Ray cluster on this machine."""
-
-
 def join_refusal(address: str | None, error: Exception) -> HsxError:
     """The error for a ``ray.init`` that failed: what Ray said, and the fix."""
     said = str(error).split(". Please specify")[0]
     if NO_CLUSTER in str(error):
-        return NoCluster(f"cannot join Ray (address {address}): no running Ray cluster was found on this machine; "
+        return HsxError(f"cannot join Ray (address {address}): no running Ray cluster was found on this machine; "
                         f"{START_HINT}. Ranks of one torchrun on one machine need none: leave ray_address and "
                         "RAY_ADDRESS unset, and rank 0 starts a local Ray of its own")
     if address in (None, "local"):

@@ -34,7 +34,7 @@ from typing import Iterator, NamedTuple
 from hsx.config import ExtractConfig
 from hsx.run.startup import open_rows
 from hsx.errors import HsxError
-from hsx.run.scale.cluster import NoCluster, await_address, one_node, publish_address
+from hsx.run.scale.cluster import await_address, one_node, publish_address
 from hsx.run.scale.ray_runner import LOST, connect, dataset_units, describe_workers, start_workers, unit_result
 from hsx.run.scale.worker import decode_item
 
@@ -394,8 +394,9 @@ class RankSource:
 
     def _connect(self) -> bool:
         """Join the run's one cluster (``ray_address``, else ``RAY_ADDRESS``, else ``auto``). With none
-        named and every rank on this machine, rank 0 joins what ``auto`` finds or starts a local Ray
-        it owns, and the other ranks join rank 0's (:mod:`hsx.run.scale.cluster`)."""
+        named and every rank on this machine, rank 0 starts a local Ray it owns (``ray_address =
+        "auto"`` joins one already running instead), and the other ranks join rank 0's
+        (:mod:`hsx.run.scale.cluster`)."""
         address = self.cfg.ray_address or os.environ.get("RAY_ADDRESS")
         if address is not None or not one_node(self.world):
             return connect(replace(self.cfg, ray_address=address or "auto"))
@@ -403,10 +404,7 @@ class RankSource:
             return connect(replace(self.cfg, ray_address=await_address(self.name, self.rank, self.timeout)))
         import ray
 
-        try:
-            started = connect(replace(self.cfg, ray_address="auto"))
-        except NoCluster:
-            started = connect(replace(self.cfg, ray_address="local"))
+        started = connect(replace(self.cfg, ray_address="local"))
         self.published = publish_address(self.name, ray.get_runtime_context().gcs_address)
         return started
 

@@ -156,7 +156,7 @@ def _create(path, data: bytes) -> None:
         return
     path = Path(path)
     if not path.parent.is_dir():
-        path.parent.mkdir()
+        path.parent.mkdir(exist_ok=True)
         fsync_dir(path.parent.parent)
     tmp = _write_temp(path, data)
     try:

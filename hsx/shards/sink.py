@@ -177,7 +177,7 @@ class ShardSink:
         """Where shard ``name`` is staged; its folder (a fanned-out one, see :func:`shard_name`) made durably."""
         path = self.dir / staged_name(name)
         if not is_remote(path) and not path.parent.is_dir():
-            path.parent.mkdir()
+            path.parent.mkdir(exist_ok=True)  # Ray workers share the folders
             fsync_dir(self.dir)
         return path
 

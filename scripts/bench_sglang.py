@@ -125,6 +125,8 @@ def main(argv=None) -> int:
     ap.add_argument("--per-step", action="store_true", help="hsx's added time per engine step, one engine per case")
     ap.add_argument("--batches", default="1,16,64", help="batch sizes of --per-step")
     ap.add_argument("--repeats", type=int, default=5, help="runs a side of --per-step")
+    ap.add_argument("--new-tokens", type=int, default=32, help="completion tokens per prompt in --per-step")
+    ap.add_argument("--cases", default="plain,EAGLE3", help="--per-step cases: plain, EAGLE3 or both")
     args = ap.parse_args(argv)
     if args.per_step:
         return per_step_main(args)
@@ -267,11 +269,12 @@ def per_step_main(args) -> int:
     work = args.work or Path(tempfile.mkdtemp(prefix="hsx-bench-sglang-"))
     models = build_spec_models(work / "models")
     base = dict(model=str(models.target), engine="sglang", device="cpu", model_dtype="float32", dtype="bfloat16",
-                max_new_tokens=32, seed=0, engine_args=dict(PER_STEP_ARGS))
+                max_new_tokens=args.new_tokens, seed=0, engine_args=dict(PER_STEP_ARGS))
     cases = [("demo plain", ExtractConfig(**base, layers="final")),
              ("demo EAGLE3", ExtractConfig(**base, layers="final,eagle3", eagle3_layer_ids=[1, 3, 5],
                                            spec_algorithm="EAGLE3", draft_model=str(models.eagle3), spec_num_steps=3,
                                            spec_topk=1, spec_num_draft_tokens=4))]
+    cases = [(label, cfg) for label, cfg in cases if label.split()[-1] in args.cases.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
     clock = Path(os.environ.setdefault("HSX_LANE_CAPTURE_CLOCK", str(work / "capture-clock.txt")))
     rows = []
@@ -280,7 +283,7 @@ def per_step_main(args) -> int:
     print("\n".join(["| case | batch | engine steps | plain ms/step | hsx in the scheduler, ms/step | "
                      "hsx after generate, ms/step | hsx's own / plain | wall added, ms/step |",
                      "|---|---|---|---|---|---|---|---|", *rows]))
-    print(f"[bench] {os.cpu_count()} CPUs, {args.repeats} runs a side, 32 new tokens a prompt")
+    print(f"[bench] {os.cpu_count()} CPUs, {args.repeats} runs a side, {args.new_tokens} new tokens a prompt")
     return 0
 
 

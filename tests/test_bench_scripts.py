@@ -50,3 +50,16 @@ def test_bench_scripts_run_and_write_ratios(tmp_path):
         assert math.isfinite(gpu[key]) and gpu[key] > 0, (key, gpu[key])
     assert gpu["bare"]["tokens"] == gpu["hsx"]["tokens"] == gpu["tokens"]
     assert not (gpu_out / "hsx_out").exists()  # shards are deleted unless --keep-output
+
+
+def test_writer_rate_runs_and_reports_each_lane_count():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_writer_rate.py"), "--mb", "3", "--lanes",
+                           "1,2", "--hidden", "64", "--tokens", "20"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [x for x in done.stdout.splitlines() if x.startswith("[writer]")]
+    assert [x.split(", ")[1].split(" ")[0] for x in lines] == ["1", "2"]
+    for line in lines:
+        mb_s = float(line.split(" = ")[1].split(" MB/s")[0])
+        assert mb_s > 0 and "cores at that rate" in line

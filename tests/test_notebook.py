@@ -152,9 +152,10 @@ def test_notebook_reads_an_output_in_an_object_store(demo_shards, tmp_path, monk
     server = S3Server(tmp_path / "s3").start()
     try:
         client = server.client()
-        for f in sorted(demo_shards.iterdir()):
+        for f in sorted(demo_shards.rglob("*")):  # the whole output: shards, manifest head and its log folder
             if f.is_file():
-                client.put_object(Bucket=server.bucket, Key=f"nb/{f.name}", Body=f.read_bytes())
+                key = f"nb/{f.relative_to(demo_shards).as_posix()}"
+                client.put_object(Bucket=server.bucket, Key=key, Body=f.read_bytes())
         for k, v in server.env().items():
             monkeypatch.setenv(k, v)
         monkeypatch.setenv("HSX_SHARDS", f"s3://{server.bucket}/nb")

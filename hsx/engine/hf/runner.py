@@ -32,6 +32,7 @@ class HFRunner(Runner):
             raise HsxError("--spec-algorithm names SGLang's or vLLM's algorithm (--engine sglang or vllm); the hf engine runs --draft-model")
 
     def __init__(self, cfg: ExtractConfig):
+        self.check_config(cfg)  # also when built directly, not through the registry
         from transformers import AutoConfig, AutoTokenizer
 
         from hsx.engine.families import load_causal_lm

@@ -143,6 +143,7 @@ class SGLangRunner(Runner):
                            "splits long prompts itself: --engine-arg chunked_prefill_size=N")
 
     def __init__(self, cfg: ExtractConfig):
+        self.check_config(cfg)  # also when built directly, not through the registry
         self.cfg = cfg
         check_checkpoints(cfg)  # SGLang skips weights it has no place for and keeps what it did not find
         self.sglang = import_sglang()

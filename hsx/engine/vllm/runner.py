@@ -84,6 +84,7 @@ class VLLMRunner(Runner):
                            "itself (--engine-arg max_num_batched_tokens=N)")
 
     def __init__(self, cfg: ExtractConfig):
+        self.check_config(cfg)  # also when built directly, not through the registry
         self.cfg = cfg
         self.vllm = import_vllm()
         self.tokenizer, self.model_config, draft_config = load_configs(cfg)

@@ -52,19 +52,25 @@ def test_eagle3_needs_three_ids():
         parse_layers("eagle3", ModelShape(8, 16), eagle3_ids=[1, 2])
 
 
-def test_hc_mult_widens_every_group_and_a_narrow_tensor_is_refused():
+def test_hc_mult_widens_every_boundary_final_stays_one_stream_and_a_wrong_tensor_is_refused():
     config = SimpleNamespace(num_hidden_layers=4, hidden_size=8, hc_mult=4)
     shape = ModelShape.from_config(config)
     assert shape.unit_width == 32
-    groups = parse_layers("final,eagle3", shape)
-    assert [g.width for g in groups] == [32, 96]
+    groups = parse_layers("final,eagle3,b4", shape)
+    # boundaries are all 4 streams; final is lm_head's input, the streams collapsed: hidden_size wide
+    assert [g.width for g in groups] == [8, 96, 32]
+    assert "collapsed" in groups[0].rule
+    assert shape.spans(("final", 4, 0)) == [(0, 8), (8, 40), (40, 72)]
     nested = SimpleNamespace(text_config=config)  # multimodal configs keep the LM under text_config
     assert ModelShape.from_config(nested) == shape
-    c = Collector(groups[:1], torch.float32)
+    c = Collector(groups[2:], torch.float32)
     with pytest.raises(AlignmentError, match=r"expected \[rows, 32\].*never reshaped"):
-        c.prefill("r", torch.arange(3), {"final": torch.zeros(3, 8)}, 7)  # hidden_size wide, not hc_mult x
+        c.prefill("r", torch.arange(3), {"b4": torch.zeros(3, 8)}, 7)  # hidden_size wide, not hc_mult x
     with pytest.raises(AlignmentError, match="never reshaped"):
-        c.prefill("r", torch.arange(3), {"final": torch.zeros(12, 8).view(3, 32)[:, :8]}, 7)
+        c.prefill("r", torch.arange(3), {"b4": torch.zeros(12, 8).view(3, 32)[:, :8]}, 7)
+    c = Collector(groups[:1], torch.float32)
+    with pytest.raises(AlignmentError, match=r"expected \[rows, 8\]"):
+        c.prefill("r", torch.arange(3), {"final": torch.zeros(3, 32)}, 7)  # all streams where one is expected
 
 
 def _step(token_ids: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,9 @@ Boundaries count the residual stream between blocks of an L-block decoder:
   boundary 0      = output of the embedding (input of block 0)
   boundary b      = output of block b-1, before the final norm (1 <= b <= L)
   ``final``       = output of the final norm, the input of lm_head
+On hyper-connection models (``hc_mult`` streams between blocks) a boundary is all the streams,
+``hidden_size * hc_mult`` wide, and ``final`` is ``hidden_size`` wide: lm_head reads one stream,
+the final norm of the streams' collapse.
 transformers' ``output_hidden_states`` tuple has L+1 entries: entry i is boundary i for i < L,
 but entry L is ``final`` (post-norm); boundary L is only reachable with a hook on the norm.
 """
@@ -60,7 +63,21 @@ class ModelShape:
 
     @property
     def unit_width(self) -> int:
+        """The width of one boundary: all ``hc_mult`` streams of a hyper-connection model."""
         return self.hidden_size * max(1, self.hc_mult)
+
+    def width_of(self, source: int | str) -> int:
+        """One source's width: a boundary is ``unit_width``; ``final`` (lm_head's input, after a
+        hyper-connection model collapses its streams) is ``hidden_size``."""
+        return self.hidden_size if source == FINAL else self.unit_width
+
+    def spans(self, sources) -> list[tuple[int, int]]:
+        """``(start, stop)`` of each source's columns in a row of ``sources`` side by side."""
+        out, at = [], 0
+        for s in sources:
+            out.append((at, at + self.width_of(s)))
+            at += self.width_of(s)
+        return out
 
     @staticmethod
     def from_config(config) -> "ModelShape":
@@ -112,7 +129,9 @@ def parse_layers(
     unit = shape.unit_width
     for item in items:
         if item == FINAL:
-            groups.append(LayerGroup(FINAL, (FINAL,), unit, None, "final norm output"))
+            rule = "final norm output" if shape.hc_mult <= 1 else \
+                f"final norm output: the {shape.hc_mult} streams collapsed, hidden_size wide"
+            groups.append(LayerGroup(FINAL, (FINAL,), shape.width_of(FINAL), None, rule))
         elif item == EAGLE3:
             if eagle3_ids is None:
                 b = eagle3_default_boundaries(shape.num_layers)

@@ -58,14 +58,15 @@ class Eagle3Layout:
     """What a set of shards offers EAGLE3 training, checked once from its metadata."""
 
     mode: str  # generate | prefill
-    hidden_size: int  # width of one state (the `final` column); aux is 3x this
+    hidden_size: int  # width of the `final` column (lm_head's input)
     aux_boundaries: tuple[int, int, int]
     num_layers: int
     stored_dtype: str
+    hc_mult: int = 1  # hyper-connection streams: a boundary is hc_mult x hidden_size wide
 
     @property
     def aux_width(self) -> int:
-        return 3 * self.hidden_size
+        return 3 * self.hidden_size * self.hc_mult
 
 
 def load_draft_config(config: str | Path | Mapping[str, Any] | None) -> dict | None:
@@ -115,15 +116,17 @@ def check_eagle3_layout(metadata: dict, draft_config: Mapping[str, Any] | None =
     if list(final["sources"]) != [FINAL]:
         raise HsxError(f"{where}: column 'final' must hold the final-norm output, found sources {final['sources']}")
     h = int(final["width"])
-    if int(aux["width"]) != 3 * h:
-        raise HsxError(f"{where}: 'eagle3' width {aux['width']} is not 3 x the 'final' width {h}")
+    model = metadata.get("model") or {}
+    hc = int(model.get("hc_mult") or 1)  # a boundary is all the streams, final one of them
+    if int(aux["width"]) != 3 * h * hc:
+        times = "3" if hc == 1 else f"3 x {hc} (hyper-connection streams)"
+        raise HsxError(f"{where}: 'eagle3' width {aux['width']} is not {times} x the 'final' width {h}")
     keep = metadata.get("keep", "all")
     if keep != "all":
         raise HsxError(f"{where}: EAGLE3 training needs a row for every position; these shards keep only "
                        f"{keep!r} positions (extract with --keep all)")
-    model = metadata.get("model") or {}
     num_layers = int(model.get("num_layers") or 0)
-    layout = Eagle3Layout(metadata.get("mode", "?"), h, sources, num_layers, metadata.get("dtype", "?"))
+    layout = Eagle3Layout(metadata.get("mode", "?"), h, sources, num_layers, metadata.get("dtype", "?"), hc)
     if layout.mode not in ("generate", "prefill"):
         raise HsxError(f"{where}: unknown mode {layout.mode!r}; expected generate or prefill")
     if draft_config is None:
@@ -135,7 +138,7 @@ def check_eagle3_layout(metadata: dict, draft_config: Mapping[str, Any] | None =
     if int(target_h) != h:
         raise HsxError(
             f"{where}: draft config {key}={target_h} expects 'final' width {target_h} and 'eagle3' width "
-            f"{3 * int(target_h)}; the shards have {h} and {aux['width']}"
+            f"{3 * hc * int(target_h)}; the shards have {h} and {aux['width']}"
         )
     if not num_layers:
         raise HsxError(f"{where}: metadata model.num_layers is missing; cannot check the draft's aux layers")

@@ -25,7 +25,7 @@ import torch
 from hsx.align import LayerGroup
 from hsx.recompute import rows as R
 from hsx.compare.check import Tolerance, check_segment
-from hsx.recompute.reference import Reference, neighbour_sources
+from hsx.recompute.reference import Reference, neighbour_sources, same_width
 from hsx.recompute.results import SampleResult, SourceResult, describe, join_runs, runs_of, source_label
 
 HALO = 64  # positions on each side of a chunk whose states its rows' position test searches too
@@ -71,7 +71,7 @@ class _Checker:
     def check(self, start: int, stop: int, states: dict, before: dict, after: dict) -> None:
         """Check the stored rows at positions ``start..stop-1`` against ``states`` (``[1, q, H]`` per source),
         the window widened by the states of the positions ``before`` and ``after`` it."""
-        num_layers, unit = self.ref.shape.num_layers, self.ref.shape.unit_width
+        num_layers = self.ref.shape.num_layers
         own = {s: torch.cat([t for t in (before.get(s), v, after.get(s)) if t is not None], 1) for s, v in states.items()}
         lead = before[next(iter(before))].shape[1] if before else 0
         first = start - lead  # the window's position 0
@@ -84,11 +84,10 @@ class _Checker:
         for g in self.groups:
             block = torch.zeros(1, width, g.width, device=self.ref.device)  # [1, W, width]
             block[0, at] = R.hidden(self.sample, g.name, slice(r0, r1)).to(device=self.ref.device, dtype=torch.float32)
-            for k, src in enumerate(g.sources):
-                alts = neighbour_sources([src], num_layers)
+            for k, (src, (a, b)) in enumerate(zip(g.sources, self.ref.shape.spans(g.sources))):
+                alts = same_width(self.ref.shape, src, neighbour_sources([src], num_layers))
                 labels = self.labels.setdefault(src, [source_label(x, num_layers) for x in (src, *alts)])
-                check = check_segment(block[:, :, k * unit:(k + 1) * unit], valid, own[src], [own[a] for a in alts],
-                                      n_tokens, self.tol)
+                check = check_segment(block[:, :, a:b], valid, own[src], [own[x] for x in alts], n_tokens, self.tol)
                 if self.sources is not None:
                     self.sources.setdefault((g.name, src), SourceResult(g.name, src)).add(check, labels)
                 r = self.result

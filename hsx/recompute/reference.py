@@ -35,6 +35,12 @@ def neighbour_sources(sources: Sequence[int | str], num_layers: int) -> list[int
     return out
 
 
+def same_width(shape: ModelShape, source: int | str, others: Sequence[int | str]) -> list[int | str]:
+    """Of ``others``, the sources as wide as ``source`` (on a hyper-connection model ``final`` is one stream,
+    boundary L all of them: neither can stand in for the other)."""
+    return [s for s in others if shape.width_of(s) == shape.width_of(source)]
+
+
 @dataclass
 class Reference:
     """A loaded model that returns the states of chosen sources for a batch of token sequences."""

@@ -20,7 +20,7 @@ from hsx.errors import HsxError
 from hsx.recompute import rows as R
 from hsx.recompute.chunked import check_in_chunks
 from hsx.compare.check import Tolerance, check_segment
-from hsx.recompute.reference import Reference, neighbour_sources
+from hsx.recompute.reference import Reference, neighbour_sources, same_width
 from hsx.shards.format import config_matches
 from hsx.recompute.results import RecomputeReport, SampleResult, SourceResult, findings_of, source_label
 from hsx.compare.tolerance import tolerance_for
@@ -91,11 +91,11 @@ def check_samples(
     ``sources``, when given, accumulates per-column-source statistics across calls.
     """
     ref = reference if isinstance(reference, Reference) else Reference.wrap(reference)
-    unit = ref.shape.unit_width
     for g in groups:
-        if g.width != unit * len(g.sources):
-            raise HsxError(f"column {g.name!r} is {g.width} wide for {len(g.sources)} source(s); the model's states "
-                           f"are {unit} wide")
+        widths = [ref.shape.width_of(s) for s in g.sources]
+        if g.width != sum(widths):
+            raise HsxError(f"column {g.name!r} is {g.width} wide for sources {list(g.sources)}; the model's states "
+                           f"are {' + '.join(map(str, widths))} wide")
     chunk = resolve_chunk(chunk)
     sizes = [chunk_for(chunk, R.token_ids(s).numel()) for s in samples]
     short = [k for k, size in enumerate(sizes) if size is None]
@@ -114,7 +114,7 @@ def check_samples(
 def _check_batch(ref: Reference, samples: Sequence, sample_ids: list[str], groups: Sequence[LayerGroup],
                  tol: Tolerance, mode: str, sources: dict | None) -> list[SampleResult]:
     """Check samples in one right-padded forward over all of them."""
-    num_layers, unit = ref.shape.num_layers, ref.shape.unit_width
+    num_layers = ref.shape.num_layers
     ids = [R.token_ids(s) for s in samples]
     n_tokens = torch.tensor([t.numel() for t in ids])
     length = int(n_tokens.max())
@@ -130,11 +130,10 @@ def _check_batch(ref: Reference, samples: Sequence, sample_ids: list[str], group
             results[i].findings.append(count)
     for g in groups:
         block, valid = _stored_block(samples, placed, g.name, g.width, length, ref.device)
-        for k, src in enumerate(g.sources):
-            alts = neighbour_sources([src], num_layers)
+        for src, (a, b) in zip(g.sources, ref.shape.spans(g.sources)):
+            alts = same_width(ref.shape, src, neighbour_sources([src], num_layers))
             labels = [source_label(x, num_layers) for x in (src, *alts)]
-            check = check_segment(block[:, :, k * unit:(k + 1) * unit], valid, states[src], [states[a] for a in alts],
-                                  n_tokens, tol)
+            check = check_segment(block[:, :, a:b], valid, states[src], [states[x] for x in alts], n_tokens, tol)
             if sources is not None:
                 sources.setdefault((g.name, src), SourceResult(g.name, src)).add(check, labels)
             worst_rel = check.rel.nan_to_num(nan=float("inf")).amax(1).tolist()  # [B] per-sample summaries

@@ -54,6 +54,7 @@ class StoredTokensRunner(Runner):
         self.inner = build(dataclasses.replace(cfg, mode="prefill", keep="all"))
         self.shared = self._shared(self.inner.groups, meta)
         self.groups, self.shape = self.inner.groups, self.inner.shape
+        self.source_layers = [LayerGroup.from_description(g) for g in meta["layers"]]
         self.tokenizer, self.context_length = self.inner.tokenizer, self.inner.context_length
         self.model_config, self.name = self.inner.model_config, self.inner.name
         stored = str(dtype_of(cfg.dtype)).removeprefix("torch.")  # what the engine hands over (lossy: bfloat16)
@@ -93,16 +94,22 @@ class StoredTokensRunner(Runner):
         sample.wait()  # (on CUDA the host copies may still be in flight)
         src = self.source[prompt.sample_id]
         pos = src.positions
-        unit = self.shape.unit_width
         for sh in self.shared:
-            stored = src.hidden(sh.source_name)[:, sh.source_part * unit:(sh.source_part + 1) * unit]
+            a, b = self._span(sh.source_name, sh.source_part, self.source_layers)
+            stored = src.hidden(sh.source_name)[:, a:b]
             if stored.shape[0] != len(pos):
                 raise HsxError(f"{self._sample(prompt)}, {sh.label} of {self.where}: {stored.shape[0]} rows for the "
                                f"{len(pos)} positions its keep rule gives")
-            fresh = sample.hidden[sh.name][pos, sh.part * unit:(sh.part + 1) * unit]
+            a, b = self._span(sh.name, sh.part, self.groups)
+            fresh = sample.hidden[sh.name][pos, a:b]
             found = disagreement(stored, fresh, self.tol)
             if found is not None:
                 raise HsxError(self._mismatch(prompt, sh, found, pos))
+
+    def _span(self, name: str, part: int, groups) -> tuple[int, int]:
+        """Where source ``part`` of column ``name`` sits in its rows (``final`` is narrower on hyper-connection models)."""
+        group = next(g for g in groups if g.name == name)
+        return self.shape.spans(group.sources)[part]
 
     def _sample(self, prompt) -> str:
         return f"sample {prompt.sample_id!r} (source row {prompt.source_index})"

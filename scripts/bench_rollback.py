@@ -1,9 +1,11 @@
-"""What rolling a recurrent layer back after a verify step costs, as a ratio in one run.
+"""What rolling a recurrent or compressed layer back after a verify step costs, as a ratio in one run.
 
 A verify step of ``n`` tokens (root + drafts) on a model with recurrent layers records the state
 after every token (transformers' past recording: the recurrence runs token by token over the
 step instead of in one chunk, and each state is kept), and the commit gives each row the state
-after its accepted prefix (hsx.engine.hf.state). The baseline is the same forward unrecorded,
+after its accepted prefix (hsx.engine.hf.state). On DeepSeek-V4 the step snapshots each row's
+compressor state and the commit replays the compressor over the accepted tokens of each row that
+dropped some (hsx.engine.hf.compressed). The baseline is the same forward unrecorded,
 every token kept: what a step would cost if the layers could be cut back like a key/value cache.
 Both run alternately on the same batch, random tiny models built from transformers' config
 classes; the script prints and writes the median time of each and their ratio.
@@ -31,13 +33,20 @@ FAMILIES = {
     "lfm2": (T.Lfm2Config, T.Lfm2ForCausalLM, dict(layer_types=["conv", "full_attention"] * 2)),
     "falcon_h1": (T.FalconH1Config, T.FalconH1ForCausalLM,
                   dict(mamba_n_heads=8, mamba_d_head=32, mamba_d_ssm=256, mamba_d_state=32, mamba_n_groups=1)),
+    # heavily compressed attention (windows of 16 tokens) in three blocks, compressed sparse (4) in the fourth
+    "deepseek_v4": (T.DeepseekV4Config, T.DeepseekV4ForCausalLM,
+                    dict(num_key_value_heads=1, q_lora_rank=64, o_groups=2, o_lora_rank=32, index_n_heads=4,
+                         index_head_dim=32, index_topk=64, sliding_window=16, moe_intermediate_size=128,
+                         n_routed_experts=4, num_experts_per_tok=2,
+                         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16})),
 }
 
 
 def build(family: str, hidden: int):
     config_cls, model_cls, extra = FAMILIES[family]
-    config = config_cls(vocab_size=1024, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
-                        num_attention_heads=8, num_key_value_heads=4, head_dim=hidden // 8, **extra)
+    kw = dict(vocab_size=1024, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
+              num_attention_heads=8, num_key_value_heads=4, head_dim=hidden // 8)
+    config = config_cls(**{**kw, **extra})
     torch.manual_seed(0)
     return model_cls(config).eval()
 

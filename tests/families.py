@@ -54,11 +54,15 @@ FAMILIES = {
     "gemma4": (T.Gemma4TextConfig, T.Gemma4ForCausalLM,
                {"head_dim": 16, "sliding_window": WINDOW, "layer_types": ALTERNATING, "vocab_size_per_layer_input": VOCAB,
                 "hidden_size_per_layer_input": 16, "num_kv_shared_layers": 2}),
-    # hyper-connections (4 streams between blocks), heavily compressed and compressed sparse attention, hash-routed
-    # MoE in the first three blocks: prefill only (hsx.engine.families.CACHELESS)
+    # hyper-connections (4 streams between blocks), heavily compressed attention (windows of 4 tokens) in the first
+    # three blocks, compressed sparse attention (windows of 2) in the fourth, hash-routed MoE in the first three.
+    # index_topk 64 >= the entries of every test sequence (under 128 tokens): the lightning indexer scores with a
+    # ReLU, and where fewer entries than it may pick score above zero its top-k breaks a tie of zeros by the length
+    # of the list, so transformers' own cached decode and its own full forward keep different entries
+    # (tests/test_compressed.py, the indexer's ties); with every entry kept, the two agree
     "deepseek_v4": (T.DeepseekV4Config, T.DeepseekV4ForCausalLM,
                     {"num_key_value_heads": 1, "head_dim": 32, "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16,
-                     "index_n_heads": 2, "index_head_dim": 16, "index_topk": 4, "sliding_window": WINDOW,
+                     "index_n_heads": 2, "index_head_dim": 16, "index_topk": 64, "sliding_window": WINDOW,
                      "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
                      "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
                      "bos_token_id": 1, "eos_token_id": 2}),
@@ -99,12 +103,12 @@ FAMILIES = {
 DRAFT_SCALE = {"gemma2": 0.1, "gemma3": 0.2, "gpt2": 0.2, "gpt_neox": 0.1}
 # families whose attention has a window shorter than the test sequences
 WINDOWED = ("mistral", "phi3", "gemma2", "gemma3", "gpt_oss", "mimo_v2_flash", "gemma4")
-# families run in prefill mode only (compressed attention keeps its keys in transformers' own cache)
-PREFILL_ONLY = ("deepseek_v4",)
 # families with chunked attention layers, chunks of WINDOW positions
 CHUNKED = ("llama4_text",)
 # families with recurrent layers (linear attention, short convolutions, Mamba-2): chains only, right padding
 RECURRENT = ("qwen3_5", "qwen3_next", "lfm2", "falcon_h1", "kimi_linear")
+# families whose layers keep a state per row (recurrent ones, and DeepSeek-V4's compressors): chains, right padding
+STATEFUL = (*RECURRENT, "deepseek_v4")
 # Their oracle runs the chunked form of the recurrence over a whole sequence; a decode step runs the
 # recurrent form one token at a time and a prefill chunk restarts the chunking. fp32, transformers alone:
 # the model's own token-by-token decode differs from its own full forward by up to 4.2e-5 of the largest

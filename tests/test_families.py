@@ -19,7 +19,7 @@ import functools
 import pytest
 import torch
 
-from families import DRAFT_SCALE, FAMILIES, PREFILL_ONLY, RECURRENT, VOCAB, WINDOW, WINDOWED, build, cached, rel_tol
+from families import DRAFT_SCALE, FAMILIES, STATEFUL, VOCAB, WINDOW, WINDOWED, build, cached, rel_tol
 from hsx.align import ModelShape, parse_layers
 from hsx.demo.models import perturbed_copy
 from hsx.engine.hf import HFEngine, SamplingSettings, SpecSettings
@@ -38,11 +38,9 @@ ALL = list(FAMILIES)
 
 
 def supported(family: str, mode: str, padding: str = "right", generate: bool = True) -> bool:
-    """Recurrent families draft chains and pad on the right (the rest is refused: tests/test_recurrent.py);
-    DeepSeek-V4 runs prefill only, right-padded (test_deepseek_v4_...)."""
-    if family in PREFILL_ONLY:
-        return not generate and padding == "right"
-    return family not in RECURRENT or (mode != "tree" and padding == "right")
+    """Families whose layers keep a state per row (recurrent layers, DeepSeek-V4's compressors) draft chains and
+    pad on the right (the rest is refused: tests/test_recurrent.py)."""
+    return family not in STATEFUL or (mode != "tree" and padding == "right")
 
 
 PADDINGS = ("right", "left")
@@ -66,10 +64,9 @@ def draft(family: str):
 
 
 def groups_for(model):
-    # boundaries 0 and L, a middle one, final, and eagle3 ids [0, 2, 3] -> boundaries (1, 3, 4); no final on a
-    # hyper-connection model (one collapsed stream, refused: test_deepseek_v4_...)
-    shape = ModelShape.from_config(model.config)
-    return parse_layers("eagle3,0,2,4" if shape.hc_mult > 1 else "final,eagle3,0,2,4", shape, eagle3_ids=[0, 2, 3])
+    # boundaries 0 and L, a middle one, final, and eagle3 ids [0, 2, 3] -> boundaries (1, 3, 4); on a
+    # hyper-connection model final is one stream wide, the boundaries all of them (test_deepseek_v4_...)
+    return parse_layers("final,eagle3,0,2,4", ModelShape.from_config(model.config), eagle3_ids=[0, 2, 3])
 
 
 def engine(family: str, mode: str = "plain", padding: str = "right") -> HFEngine:
@@ -318,19 +315,32 @@ def test_deepseek_v4_boundaries_are_its_streams_in_order():
     assert torch.equal(sample.hidden["eagle3"][:, 512:], sample.hidden["b4"])
 
 
-def test_deepseek_v4_decoding_final_and_chunks_are_refused_naming_the_kind():
+def test_deepseek_v4_final_is_lm_head_input_one_stream_wide():
+    # final is what lm_head reads: hc_head's collapse of the last block's streams, then the final norm
     model = cached("deepseek_v4")
-    shape = ModelShape.from_config(model.config)
-    boundaries = parse_layers("0,4", shape)
-    why = r"'heavily_compressed_attention' layers run in prefill mode only"
-    with pytest.raises(HsxError, match=rf"target model \(deepseek_v4\): {why} \(generate decodes through a cache\): "
-                                       r"its compressor keeps compressed keys in transformers' own cache layers"):
-        HFEngine(model, boundaries).generate(prompts((4,)), SamplingSettings(max_new_tokens=2))
-    for kw in ({"prefill_chunk": 4}, {"draft_model": cached("deepseek_v4"), "spec": CHAIN}, {"padding_side": "left"}):
-        with pytest.raises(HsxError, match=rf"target model \(deepseek_v4\): {why}, one forward per batch"):
-            HFEngine(model, boundaries, **kw)
-    with pytest.raises(HsxError, match=r"'final' on a model with 4 hyper-connection streams is one collapsed stream"):
-        HFEngine(model, parse_layers("final", shape))
+    groups = parse_layers("final,4", ModelShape.from_config(model.config))
+    assert [g.width for g in groups] == [64, 256]
+    ids = prompts((13,))[0][1]
+    (sample,) = HFEngine(model, groups, store_dtype=torch.float32).prefill([("s", ids)])
+    box = {}
+    hook = model.lm_head.register_forward_pre_hook(lambda m, a: box.__setitem__("head_in", a[0][0]))
+    with torch.no_grad():
+        model(input_ids=ids[None])
+    hook.remove()
+    assert sample.hidden["final"].shape == (13, 64)
+    assert float((sample.hidden["final"] - box["head_in"]).abs().max()) <= 1e-5 * float(box["head_in"].abs().max())
+
+
+def test_deepseek_v4_trees_and_left_padding_are_refused_naming_the_kinds():
+    model = cached("deepseek_v4")
+    groups = parse_layers("final,4", ModelShape.from_config(model.config))
+    kinds = r"'heavily_compressed_attention', 'compressed_sparse_attention' layers"
+    with pytest.raises(HsxError, match=rf"target model \(deepseek_v4\): {kinds} keep one state per row, which a draft "
+                                       r"tree's branches cannot share; draft a chain"):
+        HFEngine(model, groups, draft_model=draft("deepseek_v4"), spec=TREE)
+    with pytest.raises(HsxError, match=rf"target model \(deepseek_v4\): {kinds} keep a state per row, which left "
+                                       r"padding would enter before the prompt"):
+        HFEngine(model, groups, padding_side="left")
 
 
 def test_attention_implementation_that_ignores_masks_is_refused():

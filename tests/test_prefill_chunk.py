@@ -29,7 +29,7 @@ import torch
 from typer.testing import CliRunner
 
 import hsx
-from families import FAMILIES, PREFILL_ONLY, VOCAB, cached, rel_tol
+from families import FAMILIES, VOCAB, cached, rel_tol
 from hsx.align import ModelShape, parse_layers
 from hsx.cli import app
 from hsx.config import ExtractConfig
@@ -342,7 +342,7 @@ def test_draft_prefill_in_chunks_drafts_the_same(models, head_models, draft, chu
 
 # ---- every family --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in PREFILL_ONLY])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_chunked_prefill_of_every_family_equals_the_oracle(family):
     # windows of 5 tokens (tests/families.py): chunks of 3 see keys across chunk boundaries, and drop them
     model = cached(family)

@@ -18,7 +18,7 @@ import torch
 from typer.testing import CliRunner
 
 import hsx
-from families import DRAFT_SCALE, PREFILL_ONLY, RECURRENT, build
+from families import DRAFT_SCALE, RECURRENT, build
 from hsx.cli import app
 from hsx.config import ExtractConfig
 from hsx.demo.models import perturbed_copy
@@ -67,11 +67,9 @@ def _clean(root, family: str):
         tok.save_pretrained(root / family / name)
     data = root / family / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    if family in PREFILL_ONLY:  # every boundary its 4 streams; no final, no decoding (tests/test_families.py)
-        run = dict(mode="prefill", layers="eagle3,0")
-    else:
-        run = dict(draft_model=str(root / family / "draft"), layers="final,eagle3,0", max_new_tokens=10,
-                   spec_num_steps=3, spec_topk=1, spec_num_draft_tokens=4)
+    # DeepSeek-V4: every boundary its 4 streams, final one stream (tests/test_families.py)
+    run = dict(draft_model=str(root / family / "draft"), layers="final,eagle3,0", max_new_tokens=10,
+               spec_num_steps=3, spec_topk=1, spec_num_draft_tokens=4)
     extract(ExtractConfig(model=str(root / family / "target"), dataset=str(data), output=str(out), id_field="id",
                           dtype="float32", model_dtype="float32", batch_size=3, **run), progress=False)
     return target, out

@@ -11,7 +11,9 @@ Two things differ between the families transformers ships and both decide whethe
   Kimi-Linear), LFM2's short convolutions and Falcon-H1's Mamba-2 (beside attention in one
   ``hybrid`` layer) carry a state per row instead of a key and value per token. They take no
   mask: the engine never lets padding or a rejected draft into their state
-  (:mod:`hsx.engine.hf.state`), and refuses what that rules out (draft trees).
+  (:mod:`hsx.engine.hf.state`), and refuses what that rules out (draft trees). DeepSeek-V4's
+  compressed attention keeps such a state beside its sliding-window keys: the compressor's open
+  window and its entries (:mod:`hsx.engine.hf.compressed`).
 * **Where the final norm is.** ``model.norm`` (Llama, Qwen, Gemma, GPT-OSS),
   ``transformer.ln_f`` (GPT-2), ``gpt_neox.final_layer_norm`` (GPT-NeoX), ... :func:`find_layout`
   finds the decoder blocks and the final norm from the module tree, and :func:`check_layout`
@@ -34,14 +36,10 @@ LINEAR, CONV, HYBRID = "linear_attention", "conv", "hybrid"
 DUMMY = "dummy"  # transformers' cache kind of a layer that reuses another's keys and values, or has no attention
 # layer kinds refused, and why (the message names them; any other unknown kind is refused too)
 NOT_YET = {"hybrid_sliding": "a recurrent mixer beside sliding attention in one layer is not wired yet"}
-# layer kinds the engine runs only in a forward without a cache (prefill in one forward per batch): their
-# masks are the sliding window's, their compressed keys come from the forward's own tokens
-CACHELESS = {
-    "compressed_sparse_attention": "its compressor and indexer keep compressed keys in transformers' own cache "
-                                   "layers, which the engine's per-row slot cache does not drive yet",
-    "heavily_compressed_attention": "its compressor keeps compressed keys in transformers' own cache layers, which "
-                                    "the engine's per-row slot cache does not drive yet",
-}
+# compressed attention (DeepSeek-V4): sliding-window keys plus compressed entries of closed windows of tokens, which
+# transformers' compressor keeps with the open window in its own cache layer (hsx.engine.hf.compressed): a state
+# per row, like a recurrent layer's
+COMPRESSED = ("compressed_sparse_attention", "heavily_compressed_attention")
 # layer kinds with a recurrent state, and the mask keys each one's model reads: a hybrid layer (Mamba-2 and
 # attention side by side, Falcon-H1) reads the full-attention mask and the linear-attention one
 RECURRENT = {LINEAR: (LINEAR,), CONV: (CONV,), HYBRID: (FULL, LINEAR)}
@@ -72,8 +70,7 @@ class AttentionPlan:
     windows: dict
     per_type: bool
     recurrent: tuple = ()  # mask keys of recurrent layers: they get None (no mask, no padding)
-    cacheless: tuple = ()  # layer kinds run only without a cache (CACHELESS): prefill in one forward per batch
-    state_kinds: tuple = ()  # the layer kinds that keep a recurrent state, e.g. ("linear_attention",)
+    state_kinds: tuple = ()  # the layer kinds that keep a state per row, e.g. ("linear_attention",)
 
     @property
     def stateful(self) -> bool:
@@ -98,12 +95,11 @@ class AttentionPlan:
         windows: dict = {}
         recurrent: dict = {}
         state_kinds: dict = {}
-        cacheless: dict = {}
         for i, (kind, kw) in enumerate(zip(types, kwargs)):
             if kind == DUMMY:  # no cache of its own: reads another layer's keys (Gemma 4) or has no attention
                 continue
-            if kind in CACHELESS:
-                windows[kind], cacheless[kind] = int(config.sliding_window), None
+            if kind in COMPRESSED:  # its own keys in a sliding window, its compressed entries masked by its compressor
+                windows[kind], state_kinds[kind] = int(config.sliding_window), None
                 continue
             if kind in RECURRENT:
                 state_kinds[kind] = None
@@ -132,7 +128,7 @@ class AttentionPlan:
         if not per_type and len(windows) > 1:
             raise HsxError(f"{what} ({name}): full and sliding layers without a layer_types list: the model takes "
                            f"one mask for all layers, which cannot express both")
-        return AttentionPlan(windows, per_type, tuple(recurrent), tuple(cacheless), tuple(state_kinds))
+        return AttentionPlan(windows, per_type, tuple(recurrent), tuple(state_kinds))
 
     def masks(self, visible: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype):
         """The ``attention_mask`` argument for ``visible [B, q, K]``, queries at ``q_pos [B, q]`` and keys

@@ -25,6 +25,7 @@ its width is checked against the column's when the rows are collected.
 from __future__ import annotations
 
 import inspect
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -91,15 +92,17 @@ def forward(driven: Driven, input_ids, q_pos, k_pos, visible, cache, **extra):
     # every query sees itself: a fully masked row turns into NaN under eager attention
     visible[:, diag, visible.shape[2] - q + diag] = True
     model = driven.model
-    return model(
-        input_ids=input_ids,
-        position_ids=q_pos,
-        attention_mask=driven.plan.masks(visible, q_pos, k_pos, model.dtype),
-        cache=cache,
-        use_cache=cache is not None,
-        output_hidden_states=False,  # explicit: a config saying True would make the model keep every block's output
-        **extra,
-    )
+    # a cache with compressed attention drives the compressors row by row while the model runs (hsx.engine.hf.compressed)
+    with (cache.driving() if hasattr(cache, "driving") else nullcontext()):
+        return model(
+            input_ids=input_ids,
+            position_ids=q_pos,
+            attention_mask=driven.plan.masks(visible, q_pos, k_pos, model.dtype),
+            cache=cache,
+            use_cache=cache is not None,
+            output_hidden_states=False,  # explicit: a config saying True would make the model keep every block's output
+            **extra,
+        )
 
 
 def _streams_flat(state):

@@ -34,7 +34,7 @@ import torch
 
 from hsx.align import FINAL, AlignedSample, Collector, LayerGroup, ModelShape, parse_layers, teacher_forced
 from hsx.engine.hf.capture import MIN_TRANSFORMERS, Capture, Driven, forward
-from hsx.engine.families import CACHELESS, FULL, AttentionPlan, load_causal_lm, model_type
+from hsx.engine.families import FULL, AttentionPlan, load_causal_lm, model_type
 from hsx.heads.load import Eagle3Head, head_kind, load_eagle3_head
 from hsx.engine.hf.batch_state import BatchState, admissible
 from hsx.engine.hf.kv import KV
@@ -164,7 +164,6 @@ class HFEngine:
             bad = [s for s in g.sources if s != FINAL and not 0 <= s <= self.shape.num_layers]
             if bad:
                 raise HsxError(f"layer group {g.name!r}: boundaries {bad} outside 0..{self.shape.num_layers}")
-        self._check_cacheless()
         self.stateful = self.target.plan.stateful or (self.draft is not None and self.draft.plan.stateful)
         if self.stateful:
             self._check_stateful()
@@ -216,7 +215,6 @@ class HFEngine:
         and ``max_prefill_tokens`` padded prompt tokens (at least one). A row's values depend on which
         requests shared its steps, so the same requests in the same order give the same bits.
         """
-        self._refuse_cacheless_decoding()
         rids, prompts = self._check_requests(list(requests))
         waiting = deque(zip(rids, prompts))
         if slots < 1:
@@ -443,28 +441,6 @@ class HFEngine:
         kept = torch.where(has_stop, stop_len, n_out.clamp(max=max_new))  # [B] each request's length after the step
         self._tell(generated=int((kept - state.n_out).clamp(min=0)[live].sum()),
                    budget=-int((max_new - kept)[finished & live].sum()))
-
-    def _check_cacheless(self) -> None:
-        """Layer kinds run only in a forward without a cache (hsx.engine.families.CACHELESS), and hyper-connection
-        models' ``final``: refused before the first forward."""
-        for driven, what in ((self.target, "target model"), (self.draft, "draft model")):
-            kinds = () if driven is None else driven.plan.cacheless
-            # left padding would shift the compressor's groups of positions
-            if kinds and (self.spec is not None or self.prefill_chunk is not None or what == "draft model"
-                          or self.padding_side == "left"):
-                raise HsxError(f"{what} ({model_type(driven.model)}): {kinds[0]!r} layers run in prefill mode only, "
-                               f"one forward per batch (no --prefill-chunk, no draft, right padding): "
-                               f"{CACHELESS[kinds[0]]}")
-        if self.target.layout.collapse is not None and any(FINAL in g.sources for g in self.groups):
-            raise HsxError(f"target model ({model_type(self.model)}): 'final' on a model with {self.shape.hc_mult} "
-                           f"hyper-connection streams is one collapsed stream, narrower than the format's "
-                           f"hidden_size * hc_mult columns; store boundaries (0..{self.shape.num_layers}, eagle3)")
-
-    def _refuse_cacheless_decoding(self) -> None:
-        kinds = self.target.plan.cacheless
-        if kinds:
-            raise HsxError(f"target model ({model_type(self.model)}): {kinds[0]!r} layers run in prefill mode only "
-                           f"(generate decodes through a cache): {CACHELESS[kinds[0]]}")
 
     def _check_stateful(self) -> None:
         """What recurrent layers rule out, refused before the first forward (hsx.engine.hf.state)."""

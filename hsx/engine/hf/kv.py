@@ -16,6 +16,18 @@ from hsx.engine.hf.slots import SlotCache
 from hsx.engine.hf.state import StateCache
 
 
+def compressors(driven: Driven) -> dict:
+    """The compressor module of each compressed attention layer of the model, by layer index."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    from hsx.engine.families import COMPRESSED
+    from hsx.engine.hf.compressed import find_compressors
+
+    kinds = get_layer_types_and_kwargs(driven.model.config.get_text_config(decoder=True))[0]
+    ids = [i for i, kind in enumerate(kinds) if kind in COMPRESSED]
+    return find_compressors(driven.model.get_submodule(driven.layout.blocks), ids) if ids else {}
+
+
 class KV:
     """A batched cache plus, per row, how many committed slots hold that row's tokens, and every slot's position.
 
@@ -31,8 +43,8 @@ class KV:
     def __init__(self, driven: Driven, batch: int, device, capacity: int = 0):
         self.driven = driven
         stateful = driven.plan.stateful
-        self.cache = StateCache(driven.model.config.get_text_config(decoder=True), capacity) if stateful \
-            else SlotCache(capacity)
+        self.cache = StateCache(driven.model.config.get_text_config(decoder=True), capacity,
+                                compressors(driven)) if stateful else SlotCache(capacity)
         self.lens = torch.zeros(batch, dtype=torch.long, device=device)  # [B] committed tokens per row
         self.width = 0  # committed slots (max of lens)
         self._pos = torch.zeros(batch, max(capacity, 1), dtype=torch.long, device=device)  # every slot's position

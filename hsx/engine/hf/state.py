@@ -14,15 +14,20 @@ So the engine
   them (:meth:`StateLayer.keep`): a chain verifies, a draft tree cannot.
 
 Attention layers stay :class:`hsx.engine.hf.kv.SlotLayer`; a ``hybrid`` layer (Mamba-2 beside
-attention) is both (:class:`HybridLayer`).
+attention) is both (:class:`HybridLayer`), and so is a compressed attention layer
+(:class:`hsx.engine.hf.compressed.CompressedLayer`: keys in slots, a compressor state per row).
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, LinearAttentionLayer, get_layer_types_and_kwargs
+from contextlib import nullcontext
+from functools import partial
 
-from hsx.engine.families import CONV, FULL, HYBRID, LINEAR, SLIDING
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, LinearAttentionLayer, get_layer_types_and_kwargs
+
+from hsx.engine.families import COMPRESSED, CONV, FULL, HYBRID, LINEAR, SLIDING
+from hsx.engine.hf.compressed import CompressedLayer, driving
 from hsx.engine.hf.slots import SlotLayer
 
 EVERY_TOKEN = 1 << 30  # recurrent states to keep while recording: one per new token (transformers takes the min)
@@ -101,12 +106,13 @@ class HybridLayer(StateLayer, SlotLayer):
 
 
 class StateCache(Cache):
-    """One cache layer per decoder layer, by its kind: slots for attention, states for recurrent mixers."""
+    """One cache layer per decoder layer, by its kind: slots for attention, states for recurrent mixers, both
+    for compressed attention (``compressors``: each such layer's compressor module, by layer index)."""
 
-    def __init__(self, config, capacity: int = 0):
+    def __init__(self, config, capacity: int = 0, compressors: dict | None = None):
         types, kwargs = get_layer_types_and_kwargs(config)
         layers = []
-        for kind, kw in zip(types, kwargs):
+        for i, (kind, kw) in enumerate(zip(types, kwargs)):
             states = kw.get("number_of_states", 1)
             if kind in (FULL, SLIDING):  # the window is in the mask: every slot is kept (see KV)
                 layers.append(SlotLayer(capacity))
@@ -114,11 +120,19 @@ class StateCache(Cache):
                 layers.append(StateLayer(states))
             elif kind == HYBRID:
                 layers.append(HybridLayer(capacity, states))
+            elif kind in COMPRESSED:  # transformers' own cache layer of the kind holds one row's compressor state
+                layers.append(CompressedLayer(i, partial(DYNAMIC_LAYER_TYPE_MAPPING[kind], **kw), capacity))
             else:  # AttentionPlan refuses these first
                 raise RuntimeError(f"no cache layer for layer kind {kind!r}")
         Cache.__init__(self, layers=layers)
         self.slots = [layer for layer in layers if isinstance(layer, SlotLayer)]
-        self.states = [layer for layer in layers if isinstance(layer, StateLayer)]
+        self.states = [layer for layer in layers if isinstance(layer, (StateLayer, CompressedLayer))]
+        self.compressed = [layer for layer in layers if isinstance(layer, CompressedLayer)]
+        self.compressors = compressors or {}
+
+    def driving(self):
+        """The context a forward through this cache runs in: compressors driven per row, where there are any."""
+        return driving(self.compressed, self.compressors) if self.compressed else nullcontext()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Key/value slots written (the recurrent layers count no slots)."""

@@ -321,15 +321,17 @@ class SGLangRunner(Runner):
             pieces: list[tuple[str, int, int]] = []
             for s in g.sources:
                 src, start = where_is[s]
+                width = self.shape.width_of(s)  # final: one stream on a hyper-connection model
                 if pieces and pieces[-1][0] == src and pieces[-1][2] == start:
-                    pieces[-1] = (src, pieces[-1][1], start + unit)  # contiguous: one slice
+                    pieces[-1] = (src, pieces[-1][1], start + width)  # contiguous: one slice
                 else:
-                    pieces.append((src, start, start + unit))
+                    pieces.append((src, start, start + width))
             columns.append(Column(g.name, tuple(pieces)))
             out_groups.append(_annotate(g, ids, captured, where) if g.sources != (FINAL,) else g)
-        widths = {"hidden": unit * len(captured) if aux else unit}
+        final = self.shape.width_of(FINAL)
+        widths = {"hidden": unit * len(captured) if aux else final}
         if any(p[0] == "last" for c in columns for p in c.pieces):
-            widths["last"] = unit
+            widths["last"] = final
             graphs = self.cfg.device != "cpu" and not self.cfg.engine_args.get("disable_cuda_graph", False)
             if algorithm == "EAGLE3" and graphs:
                 raise HsxError(

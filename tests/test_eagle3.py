@@ -231,6 +231,13 @@ def test_draft_config_checks(env):
     next(g for g in bad["layers"] if g["name"] == "eagle3")["width"] = 3 * HIDDEN + 3
     with pytest.raises(HsxError, match="not 3 x the 'final' width"):
         check_eagle3_layout(bad)
+    # hyper-connection streams: each aux boundary is hc_mult x hidden_size wide, final one stream
+    hc = json.loads(json.dumps(meta))
+    hc["model"]["hc_mult"] = 4
+    with pytest.raises(HsxError, match=r"'eagle3' width 192 is not 3 x 4 \(hyper-connection streams\) x the 'final' width 64"):
+        check_eagle3_layout(hc)
+    next(g for g in hc["layers"] if g["name"] == "eagle3")["width"] = 12 * HIDDEN
+    assert check_eagle3_layout(hc).aux_width == 12 * HIDDEN
 
 
 def test_export_refuses_draft_config_mismatch(env, tmp_path):

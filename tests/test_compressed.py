@@ -170,3 +170,17 @@ def test_deepseek_v4_indexer_ties_make_its_own_decode_differ_from_its_own_forwar
     with torch.no_grad():
         full = model(input_ids=sample.input_ids[None], output_hidden_states=True).hidden_states[-1][0][:-1]
     assert float((own - full).abs().max()) > 1e-3 * scale  # the model's two forms disagree: not the engine's doing
+
+
+def test_an_eagle3_head_config_names_the_streams_width_of_its_aux_states():
+    from pathlib import Path
+
+    from hsx.errors import HsxError
+    from hsx.heads.load import _check_config
+
+    tcfg = cached("deepseek_v4").config
+    config = {"hidden_size": 64, "target_hidden_size": 256, "draft_vocab_size": VOCAB, "vocab_size": VOCAB,
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}
+    _check_config(Path("head"), config, tcfg)  # three boundaries of 4 x 64: SGLang's spec_hidden_size
+    with pytest.raises(HsxError, match=r"target_hidden_size 64 but the target's hidden_size is 64 x hc_mult 4 = 256"):
+        _check_config(Path("head"), {**config, "target_hidden_size": 64}, tcfg)

@@ -213,8 +213,10 @@ def _check_config(path: Path, config: dict, tcfg, model_type: str | None = None)
         raise HsxError(f"{where}: no draft_vocab_size in config.json (a head whose lm_head comes from the target "
                        f"is not supported)")
     want_ht = int(config.get("target_hidden_size") or config["hidden_size"])
-    if want_ht != Ht:
-        raise HsxError(f"{where}: target_hidden_size {want_ht} but the target's hidden_size is {Ht}")
+    hc = int(getattr(tcfg, "hc_mult", None) or 1)  # hyper-connections: an aux state is all hc_mult streams
+    if want_ht != Ht * hc:
+        streams = "" if hc == 1 else f" x hc_mult {hc} = {Ht * hc} (an aux state is all its streams)"
+        raise HsxError(f"{where}: target_hidden_size {want_ht} but the target's hidden_size is {Ht}{streams}")
     if int(config.get("vocab_size", V)) != V:
         raise HsxError(f"{where}: vocab_size {config.get('vocab_size')} but the target's vocabulary is {V}")
     ids = aux_layer_ids(config)

@@ -130,3 +130,13 @@ def test_clean_output_passes_and_three_faults_are_caught(family, root, tmp_path)
     assert code == 1
     assert set(_findings(out["recompute"])) == {r["id"] for r in ROWS}
     assert set().union(*_findings(out["recompute"]).values()) == {"boundary 1"}
+
+
+def test_deepseek_v4_recompute_in_chunks_through_its_own_cache(root):
+    # --recompute-chunk runs the reference through transformers' own cache, one sample at a time: on DeepSeek-V4
+    # its compressed-attention cache layers, batch-wide, which one sample fills alone
+    _, clean = _clean(root, "deepseek_v4")
+    result = runner.invoke(app, ["verify", str(clean), "--recompute", "--json", "--recompute-chunk", "8"])
+    assert result.exit_code == 0, result.stdout
+    samples = json.loads(result.stdout)["recompute"]["samples"]
+    assert {s["verdict"] for s in samples} == {"ok"} and sum(s["rows"] for s in samples) > 50

@@ -50,6 +50,7 @@ def test_bench_scripts_run_and_write_ratios(tmp_path):
     for key in ("ratio_hsx_to_bare", "bare_tokens_per_s", "hsx_tokens_per_s", "hsx_bytes_per_s"):
         assert math.isfinite(gpu[key]) and gpu[key] > 0, (key, gpu[key])
     assert gpu["bare"]["tokens"] == gpu["hsx"]["tokens"] == gpu["tokens"]
+    assert gpu["hsx"]["run_s"] > 0 and gpu["hsx"]["writer_blocked_s"] >= 0  # from hsx extract's own summary
     assert not (gpu_out / "hsx_out").exists()  # shards are deleted unless --keep-output
 
 

@@ -194,6 +194,7 @@ def extract(
     compression: Annotated[str, _cfg("Hidden-state codec, all lossless: planes-zstd (byte planes + zstd, ~0.56x raw on SmolLM2 states), zstd, none (zero-copy reads).")] = _D.compression,
     max_shard_mb: Annotated[int, _cfg("Close a shard at about this size.")] = _D.max_shard_mb,
     max_shard_samples: Annotated[int, _cfg("Close a shard after this many samples.")] = _D.max_shard_samples,
+    writer_lanes: Annotated[Optional[int], _opt("Shards encoded and written at once, a thread each (default: min(4, CPUs)); raise it where the writer cannot keep up with the engine (docs/PERFORMANCE.md).")] = None,
     trust_remote_code: Annotated[bool, _opt("Allow model repositories to run their own code (off unless given).", "--trust-remote-code")] = False,
     tp_size: Annotated[Optional[int], _opt("--engine sglang: tensor-parallel size (sglang.Engine tp_size).")] = None,
     dp_size: Annotated[Optional[int], _opt("--engine sglang: data-parallel size (dp_size).")] = None,

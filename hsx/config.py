@@ -68,6 +68,7 @@ class ExtractConfig:
     compression: Literal["planes-zstd", "zstd", "none"] = "planes-zstd"  # hidden-state codec (hsx.shards.format.CODECS)
     max_shard_mb: int = 512
     max_shard_samples: int = 100_000
+    writer_lanes: int | None = None  # shards encoded and written at once; None: min(4, CPUs) (hsx.shards.sink.DEFAULT_LANES)
     # engine pass-through (sglang.Engine keyword arguments)
     engine_args: dict[str, Any] = field(default_factory=dict)
     # many engines on Ray (hsx.run.scale)
@@ -82,8 +83,8 @@ class ExtractConfig:
     # (The batching fields are among them: they change a row's bits, within the engines' tolerance,
     # never which samples exist; a window is re-run whole on resume, see hsx.run.core.results.)
     _LAYOUT_ONLY = ("output", "limit", "batch_size", "max_batch_tokens", "prefill_chunk", "window", "max_shard_mb",
-                    "max_shard_samples", "ray", "ray_address", "num_workers", "cpus_per_worker", "gpus_per_worker",
-                    "unit_size")
+                    "max_shard_samples", "writer_lanes", "ray", "ray_address", "num_workers", "cpus_per_worker",
+                    "gpus_per_worker", "unit_size")
 
     def validate(self, *, output: bool = True) -> "ExtractConfig":
         """Refuse a config no run can start from; ``output=False``: one that writes nothing (the online feed)."""
@@ -105,6 +106,10 @@ class ExtractConfig:
             raise HsxError(f"--max-batch-tokens must be >= 1, got {self.max_batch_tokens}")
         if self.window is not None and self.window < 1:
             raise HsxError(f"--window must be >= 1, got {self.window}")
+        lanes = self.writer_lanes
+        if lanes is not None and (isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1):
+            raise HsxError(f"--writer-lanes must be a number of shard writers >= 1, got {lanes!r} (leave it out for "
+                           "min(4, CPUs))")
         self._validate_prefill_chunk()
         check_rule(self.keep, self.mode)
         if not isinstance(self.engine, str) or not self.engine:

@@ -209,7 +209,7 @@ def run_hsx(args, model_dir: Path, data: Path, out: Path) -> dict:
     cmd = [sys.executable, "-m", "hsx.cli", "extract", "--model", str(model_dir), "--dataset", str(data),
            "--id-field", "id", "--output", str(out), "--mode", "prefill", "--layers", args.layers,
            "--model-dtype", "bfloat16", "--dtype", "bfloat16", "--batch-size", str(args.batch_size),
-           "--device", args.device, "--quiet"]
+           "--device", args.device]  # not --quiet: its summary has the run's seconds and the writer's wait
     if args.eagle3_layer_ids:
         cmd += ["--eagle3-layer-ids", args.eagle3_layer_ids]
     if args.max_batch_tokens is not None:
@@ -219,8 +219,12 @@ def run_hsx(args, model_dir: Path, data: Path, out: Path) -> dict:
     s = inspect(out)
     if s["errors"]:
         raise SystemExit(f"hsx extract recorded {s['errors']} input errors: {s['error_records'][:3]}")
-    found = re.search(r" in ([0-9.]+) s ", stdout)
-    return {"wall_s": wall, "run_s": float(found.group(1)) if found else None, "samples": s["samples"],
+    found = re.search(r" in ([0-9.]+) s, start-up included", stdout)
+    waited = re.search(r"the engine waited ([0-9.]+) s on it", stdout)  # not under --ray: a writer per worker
+    if not found:
+        raise SystemExit(f"hsx extract printed no summary with its seconds:\n{stdout[-2000:]}")
+    return {"wall_s": wall, "run_s": float(found.group(1)), "writer_blocked_s": float(waited.group(1)) if waited else None,
+            "samples": s["samples"],
             "tokens": s["tokens"], "bytes": s["bytes"], "rows_per_column": s["rows_per_column"],
             "columns": [g["name"] for g in s["layers"]], "nvidia_smi_peak_mib": peak}
 
@@ -320,7 +324,8 @@ def main(argv=None) -> None:
     print(f"  bare forward  {rates['bare_tokens_per_s']:>12,.0f} tokens/s whole process  "
           f"({rates['bare_forward_only_tokens_per_s']:,.0f} forward only; load {bare['load_s']:.1f} s)")
     print(f"  hsx extract   {rates['hsx_tokens_per_s']:>12,.0f} tokens/s whole process  "
-          f"(its run: {hsx['run_s']} s incl. model load)")
+          f"(its run: {hsx['run_s']:.1f} s incl. model load; the engine waited {hsx['writer_blocked_s']} s on "
+          "the shard writer)")
     print(f"  written       {rates['hsx_bytes_per_s'] / 1e6:>12,.1f} MB/s  ({hsx['bytes'] / 1e6:,.1f} MB, "
           f"columns {hsx['columns']})")
     print(f"  peak GPU mem  bare: allocated {mib(bare['max_memory_allocated'])}, reserved "

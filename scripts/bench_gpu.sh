@@ -11,9 +11,12 @@
 #
 # hsx's vLLM capture on and off on one card (NOT YET RUN ON A GPU), in a Python that has vLLM 0.32:
 #   bash scripts/bench_gpu.sh --vllm MODEL_DIR [--draft EAGLE3_HEAD] [--batches 1,16,64]
-# runs scripts/bench_vllm.py --per-step on cuda in bf16: the same prompts through plain vLLM and through
-# hsx's capture at each batch size; prints ms per engine step, hsx's own time in and after the steps,
-# both sides' tokens/s and the MB/s of rows handed to the shard writer.
+# runs scripts/bench_vllm.py --per-step --write on cuda in bf16: the same prompts through plain vLLM and
+# through hsx's capture at each batch size; prints ms per engine step, hsx's own time in and after the
+# steps, both sides' tokens/s, the MB/s of rows the capture produced and the MB/s (raw and on disk) the
+# shard writer wrote them at; JSON in bench_out/bench_vllm.json (--json PATH). Any other option of
+# bench_vllm.py --per-step goes after MODEL_DIR and wins (e.g. --device cpu --model-dtype float32 --batches 1
+# --new-tokens 4 inside scripts/vllm_cpu.sh, with PYTHON=python, checks the path on a CPU).
 # Python: $PYTHON, else .venv/bin/python in the repository, else python3.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -31,7 +34,7 @@ if [[ "${1:-}" == "--vllm" ]]; then
   "$PY" -c "import vllm" || { echo "bench_gpu.sh --vllm: $PY has no vLLM (install vllm==0.32.*)" >&2; exit 2; }
   # the V1 runner hsx's capture reads; the engine core in this process (the bench reaches its runner)
   export VLLM_USE_V2_MODEL_RUNNER=0 VLLM_ENABLE_V1_MULTIPROCESSING=0
-  exec "$PY" "$ROOT/scripts/bench_vllm.py" --per-step --model "$model" --device cuda --model-dtype bfloat16 \
+  exec "$PY" "$ROOT/scripts/bench_vllm.py" --per-step --write --model "$model" --device cuda --model-dtype bfloat16 \
     --batches 1,16,64 --new-tokens 128 "$@"
 fi
 # hsx's own requirements (scripts/setup.sh installs them): the transformers engine needs >= 5.24

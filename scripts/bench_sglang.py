@@ -28,6 +28,9 @@ medians over the runs: plain's wall time; hsx's own work timed where it runs: in
 lane's ``HSX_LANE_CAPTURE_CLOCK`` times the capture's result-processor wrappers less the SGLang methods
 they wrap) and after ``generate`` (reading the files, building the samples), their sum as a share of
 the plain step; and the difference of the sides' wall times (noisy on a shared machine).
+
+Both modes write their numbers to ``--json`` (default ``bench_out/bench_sglang.json``); ``--per-step`` the summary of
+each case and batch the table shows plus every run's raw measurements.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from hsx.demo.tokenizer import build_demo_tokenizer, demo_corpus
 from hsx.engine.sglang.runner import REQUIRED_ARGS, SGLangRunner
 from hsx.run.pipeline import extract
 
+ROOT = Path(__file__).resolve().parents[1]
 CPU_ARGS = {"attention_backend": "torch_native", "sampling_backend": "pytorch", "disable_cuda_graph": True,
             "mem_fraction_static": 0.3, "max_total_tokens": 65536, "context_length": 1024}
 
@@ -121,7 +125,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--work", type=Path)
-    ap.add_argument("--json", type=Path, help="also write the numbers here")
+    ap.add_argument("--json", type=Path, default=ROOT / "bench_out" / "bench_sglang.json", help="where the numbers go")
     ap.add_argument("--per-step", action="store_true", help="hsx's added time per engine step, one engine per case")
     ap.add_argument("--batches", default="1,16,64", help="batch sizes of --per-step")
     ap.add_argument("--repeats", type=int, default=5, help="runs a side of --per-step")
@@ -167,16 +171,14 @@ def main(argv=None) -> int:
         print(f"  {name:<10} {r['tokens']:>7} tokens in {r['s']:7.1f} s = {r['tok_s']:8.0f} tok/s "
               f"(engine start {r['start_s']:.1f} s, errors {r['errors']})")
     a, b, c = (results[n]["tok_s"] for n in ("no-hidden", "capture", "lists"))
-    if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"work": str(work), "json": str(args.json)},
-                                         "results": results}, indent=1, default=str))
+    write_json(args, {"mode": "whole-process", "work": str(work), "results": results})
     print(f"capture/no-hidden = {b / a:.2f}x, capture/lists = {b / c:.2f}x")
     return 0
 
 
 # ---- --per-step ---------------------------------------------------------------------------------------
 
-PER_STEP_ARGS = {**CPU_ARGS, "mem_fraction_static": 0.05, "max_total_tokens": 32768, "sleep_on_idle": True}
+PER_STEP_ARGS = {**CPU_ARGS, "mem_fraction_static": 0.15, "max_total_tokens": 32768, "sleep_on_idle": True}
 
 
 def engine_steps(outs: list[dict], speculative: bool) -> int:
@@ -186,7 +188,7 @@ def engine_steps(outs: list[dict], speculative: bool) -> int:
     return 1 + (most if speculative else most - 1)
 
 
-def per_step_case(label: str, cfg: ExtractConfig, batches: list[int], repeats: int, clock: Path) -> list[str]:
+def per_step_case(label: str, cfg: ExtractConfig, batches: list[int], repeats: int, clock: Path) -> list[dict]:
     from transformers import AutoTokenizer
 
     from hsx.data.render import Prompt
@@ -239,14 +241,15 @@ def per_step_case(label: str, cfg: ExtractConfig, batches: list[int], repeats: i
             for k in range(repeats):
                 for side in ("plain", "hsx") if k % 2 == 0 else ("hsx", "plain"):
                     runs[side].append(plain(prompts) if side == "plain" else captured(prompts))
-            rows.append(per_step_row(label, b, runs))
-            print(f"[bench] {rows[-1]}", flush=True)
+            summary = per_step_summary(label, b, runs)
+            rows.append({"case": label, "batch": b, "summary": summary, "runs": runs})
+            print(f"[bench] {per_step_row(label, b, summary)}", flush=True)
     finally:
         runner.engine.shutdown()
     return rows
 
 
-def per_step_row(label: str, batch: int, runs: dict[str, list[dict]]) -> str:
+def per_step_summary(label: str, batch: int, runs: dict[str, list[dict]]) -> dict:
     """ms per engine step, medians over the runs: hsx's own work timed where it runs, and the sides' difference."""
     tokens = {r["tokens"] for side in runs.values() for r in side}
     if len(tokens) != 1:
@@ -258,8 +261,20 @@ def per_step_row(label: str, batch: int, runs: dict[str, list[dict]]) -> str:
 
     added = statistics.median(1e3 * (h["wall"] - p["wall"]) / n for h, p in zip(runs["hsx"], runs["plain"], strict=True))
     plain_wall, in_step, after = ms("plain", "wall"), ms("hsx", "in_step"), ms("hsx", "after")
-    return (f"| {label} | {batch} | {n} | {plain_wall:.2f} | {in_step:.3f} | {after:.3f} | "
-            f"{100 * (in_step + after) / plain_wall:.1f}% | {added:+.2f} |")
+    return {"steps": n, "plain_ms": plain_wall, "in_step_ms": in_step, "after_ms": after,
+            "own_share": (in_step + after) / plain_wall, "wall_added_ms": added}
+
+
+def per_step_row(label: str, batch: int, s: dict) -> str:
+    return (f"| {label} | {batch} | {s['steps']} | {s['plain_ms']:.2f} | {s['in_step_ms']:.3f} | {s['after_ms']:.3f} | "
+            f"{100 * s['own_share']:.1f}% | {s['wall_added_ms']:+.2f} |")
+
+
+def write_json(args, results: dict) -> None:
+    settings = {k: v for k, v in vars(args).items() if k != "json"}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"settings": settings, "cpus": os.cpu_count(), **results}, indent=1, default=str))
+    print(f"wrote {args.json}")
 
 
 def per_step_main(args) -> int:
@@ -282,8 +297,10 @@ def per_step_main(args) -> int:
         rows += per_step_case(label, cfg, batches, args.repeats, clock)
     print("\n".join(["| case | batch | engine steps | plain ms/step | hsx in the scheduler, ms/step | "
                      "hsx after generate, ms/step | hsx's own / plain | wall added, ms/step |",
-                     "|---|---|---|---|---|---|---|---|", *rows]))
+                     "|---|---|---|---|---|---|---|---|",
+                     *(per_step_row(r["case"], r["batch"], r["summary"]) for r in rows)]))
     print(f"[bench] {os.cpu_count()} CPUs, {args.repeats} runs a side, {args.new_tokens} new tokens a prompt")
+    write_json(args, {"mode": "per-step", "cases": rows})
     return 0
 
 

@@ -33,7 +33,13 @@ and with the demo EAGLE3 head (``final,eagle3``, 3 steps); with ``--smollm2 DIR`
 ``hsx.demo.pretrained.smollm2_checkpoint()``) SmolLM2-135M plain too; with ``--model DIR`` that checkpoint
 only (and ``--draft HEAD``, an EAGLE3 head in vLLM's format), on ``--device`` in ``--model-dtype`` (a GPU:
 ``scripts/bench_gpu.sh --vllm``). Each batch also prints both sides' tokens/s (prompt + completion) and
-the bytes per second of rows hsx hands on to the shard writer.
+the bytes per second of rows hsx hands on to the shard writer. With ``--write`` each hsx run's samples then go
+through the pipeline's shard writer (``BackgroundSink``, default codec and lanes, fsync and manifest), timed
+apart from the run, from the first ``add`` to ``close``: the raw and on-disk bytes it wrote per second, beside the
+rate the capture produced them at (the writer keeps up while its raw rate is the higher).
+
+Both modes write their numbers to ``--json`` (default ``bench_out/bench_vllm.json``): the settings, and per case
+(and batch) the summary the table shows plus every run's raw measurements.
 """
 
 from __future__ import annotations
@@ -169,7 +175,7 @@ def run_child(side: str, spec_path: Path, root: Path, k: int) -> dict:
     result = root / f"result-{side}-{spec_path.stem}-{k}.json"
     t = time.perf_counter()
     done = subprocess.run([sys.executable, __file__, "--child", side, str(one), str(result)],
-                          capture_output=True, text=True)
+                          check=False, capture_output=True, text=True)
     wall = time.perf_counter() - t
     if done.returncode != 0:
         raise SystemExit(f"{side} {spec_path.stem} run {k} failed ({done.returncode}):\n{done.stderr[-4000:]}")
@@ -181,11 +187,12 @@ def run_child(side: str, spec_path: Path, root: Path, k: int) -> dict:
     return got
 
 
-def summarise(name: str, runs: dict[str, list[dict]]) -> list[str]:
+def summarise(name: str, runs: dict[str, list[dict]]) -> dict:
+    """The case's runs, its hsx/plain ratios per measure and their table rows."""
     tokens = {side: {r["tokens"] for r in rs} for side, rs in runs.items()}
     if tokens["hsx"] != tokens["plain"] or len(tokens["hsx"]) != 1:
         raise SystemExit(f"{name}: completion tokens differ between runs or sides: {tokens}")
-    lines = []
+    case = {"case": name, "runs": runs, "measures": {}, "rows": []}
     for side in runs.values():
         for r in side:
             r["startup_s"] = r["import_s"] + r["start_s"]
@@ -194,10 +201,13 @@ def summarise(name: str, runs: dict[str, list[dict]]) -> list[str]:
         h = [r[key] for r in runs["hsx"]]
         p = [r[key] for r in runs["plain"]]
         ratios = [a / b for a, b in zip(h, p, strict=True)]
-        lines.append(f"| {name} | {label} | {min(h):.2f} / {statistics.median(h):.2f} | "
-                     f"{min(p):.2f} / {statistics.median(p):.2f} | {min(h) / min(p):.2f}x | "
-                     f"{statistics.median(ratios):.2f}x |")
-    return lines
+        case["measures"][key] = {"hsx_min": min(h), "hsx_median": statistics.median(h), "plain_min": min(p),
+                                 "plain_median": statistics.median(p), "min_over_min": min(h) / min(p),
+                                 "median_ratio": statistics.median(ratios)}
+        case["rows"].append(f"| {name} | {label} | {min(h):.2f} / {statistics.median(h):.2f} | "
+                            f"{min(p):.2f} / {statistics.median(p):.2f} | {min(h) / min(p):.2f}x | "
+                            f"{statistics.median(ratios):.2f}x |")
+    return case
 
 
 def main() -> None:
@@ -214,6 +224,8 @@ def main() -> None:
     ap.add_argument("--draft", help="an EAGLE3 head in vLLM's format for --model")
     ap.add_argument("--device", default="cpu", help="--per-step device (cuda on a GPU)")
     ap.add_argument("--model-dtype", default="float32", help="--per-step compute dtype (bfloat16 on a GPU)")
+    ap.add_argument("--write", action="store_true", help="--per-step: also time the shard writer on hsx's rows")
+    ap.add_argument("--json", type=Path, default=ROOT / "bench_out" / "bench_vllm.json", help="where the numbers go")
     a = ap.parse_args()
     if a.child:
         child(*a.child)
@@ -241,12 +253,20 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     header = ["| case | | hsx min / median s | plain min / median s | min/min | median of ratios |",
               "|---|---|---|---|---|---|"]
-    print("\n".join(header + rows))
+    print("\n".join(header + [row for case in rows for row in case["rows"]]))
     print(f"[bench] {os.cpu_count()} CPUs")
+    write_json(a, {"mode": "whole-process", "cases": rows})
 
 
-def run_cases(cases: list[Path], root: Path, repeats: int) -> list[str]:
-    """Each case's sides alternated, ``repeats`` runs each; the table rows."""
+def write_json(a, results: dict) -> None:
+    settings = {k: v for k, v in vars(a).items() if k not in ("child", "json")}
+    a.json.parent.mkdir(parents=True, exist_ok=True)
+    a.json.write_text(json.dumps({"settings": settings, "cpus": os.cpu_count(), **results}, indent=1))
+    print(f"wrote {a.json}")
+
+
+def run_cases(cases: list[Path], root: Path, repeats: int) -> list[dict]:
+    """Each case's sides alternated, ``repeats`` runs each; their summaries."""
     rows = []
     for case in cases:
         runs = {"hsx": [], "plain": []}
@@ -257,7 +277,7 @@ def run_cases(cases: list[Path], root: Path, repeats: int) -> list[str]:
                 print(f"[bench] {case.stem} {side} run {k}: process {r['process_s']:.1f} s, import {r['import_s']:.1f}"
                       f" s, engine start {r['start_s']:.1f} s, generation {r['generate_s']:.2f} s, "
                       f"{r['tokens']} tokens", flush=True)
-        rows += summarise(case.stem, runs)
+        rows.append(summarise(case.stem, runs))
     return rows
 
 
@@ -297,7 +317,7 @@ def timed_capture(capture, clock: dict) -> None:
 
 
 def per_step_case(label: str, model: str, draft, batches: list[int], new_tokens: int, repeats: int,
-                  device: str = "cpu", model_dtype: str = "float32") -> list[str]:
+                  device: str = "cpu", model_dtype: str = "float32", write: Path | None = None) -> list[dict]:
     from transformers import AutoTokenizer
 
     from hsx.config import ExtractConfig
@@ -348,10 +368,11 @@ def per_step_case(label: str, model: str, draft, batches: list[int], new_tokens:
         bad = [s for s in samples if not hasattr(s, "input_ids")]
         if bad:
             raise SystemExit(f"{label}: hsx failed a sample: {bad[0]}")
-        return {"wall": wall, "cpu": cpu, "steps": counter.count, "in_step": clock["capture_s"] - counter.seconds,
-                "after": wall - clock["generate_s"],
-                "tokens": sum(int(s.input_ids.numel()) - int(s.prompt_len) for s in samples),
-                "bytes": sum(sum(h.numel() * h.element_size() for h in s.hidden.values()) for s in samples)}
+        got = {"wall": wall, "cpu": cpu, "steps": counter.count, "in_step": clock["capture_s"] - counter.seconds,
+               "after": wall - clock["generate_s"],
+               "tokens": sum(int(s.input_ids.numel()) - int(s.prompt_len) for s in samples),
+               "bytes": sum(sum(h.numel() * h.element_size() for h in s.hidden.values()) for s in samples)}
+        return got | (written(prompts, samples, write) if write else {})
 
     rows = []
     for b in batches:
@@ -363,24 +384,16 @@ def per_step_case(label: str, model: str, draft, batches: list[int], new_tokens:
         for k in range(repeats):
             for side in ("plain", "hsx") if k % 2 == 0 else ("hsx", "plain"):
                 runs[side].append(plain(prompts) if side == "plain" else captured(prompts))
-        rows.append(per_step_row(label, b, runs))
-        print(f"[bench] {rows[-1]}", flush=True)
-        print(f"[bench] {throughput(label, b, ids, runs)}", flush=True)
+        summary = per_step_summary(label, b, ids, runs)
+        rows.append({"case": label, "batch": b, "summary": summary, "runs": runs})
+        print(f"[bench] {per_step_row(label, b, summary)}", flush=True)
+        print(f"[bench] {throughput(label, b, summary)}", flush=True)
     return rows
 
 
-def throughput(label: str, batch: int, prompts: list[list[int]], runs: dict[str, list[dict]]) -> str:
-    """Tokens/s (prompt + completion) of each side and the rows hsx hands on per second (bf16), medians."""
-    tokens = sum(map(len, prompts)) + runs["plain"][0]["tokens"]
-    plain = statistics.median(tokens / r["wall"] for r in runs["plain"])
-    hsx = statistics.median(tokens / r["wall"] for r in runs["hsx"])
-    rate = statistics.median(r["bytes"] / r["wall"] for r in runs["hsx"])
-    return (f"{label} batch {batch}: plain {plain:,.0f} tokens/s, capture on {hsx:,.0f} tokens/s ({hsx / plain:.3f}x), "
-            f"rows handed to the writer {rate / 1e6:,.1f} MB/s")
-
-
-def per_step_row(label: str, batch: int, runs: dict[str, list[dict]]) -> str:
-    """ms per engine step, medians over the runs; hsx's own work timed where it runs, and the sides' differences."""
+def per_step_summary(label: str, batch: int, prompts: list[list[int]], runs: dict[str, list[dict]]) -> dict:
+    """Per engine step in ms, medians over the runs: hsx's own work timed where it runs and the sides' differences;
+    tokens/s (prompt + completion) of each side and the rows (bf16) hsx hands on per second."""
     steps = {r["steps"] for side in runs.values() for r in side}
     tokens = {r["tokens"] for side in runs.values() for r in side}
     if len(steps) != 1 or len(tokens) != 1:
@@ -393,14 +406,59 @@ def per_step_row(label: str, batch: int, runs: dict[str, list[dict]]) -> str:
     def added(key):
         return statistics.median(1e3 * (h[key] - p[key]) / n for h, p in zip(runs["hsx"], runs["plain"], strict=True))
 
+    total = sum(map(len, prompts)) + tokens.pop()
+    plain_tok_s = statistics.median(total / r["wall"] for r in runs["plain"])
+    hsx_tok_s = statistics.median(total / r["wall"] for r in runs["hsx"])
     plain_wall, in_step, after = ms("plain", "wall"), ms("hsx", "in_step"), ms("hsx", "after")
-    return (f"| {label} | {batch} | {n} | {plain_wall:.2f} | {in_step:.3f} | {after:.3f} | "
-            f"{100 * (in_step + after) / plain_wall:.1f}% | {added('wall'):+.2f} | {ms('plain', 'cpu'):.2f} | "
-            f"{added('cpu'):+.2f} |")
+    summary = {"steps": n, "plain_ms": plain_wall, "in_step_ms": in_step, "after_ms": after,
+               "own_share": (in_step + after) / plain_wall, "wall_added_ms": added("wall"),
+               "plain_cpu_ms": ms("plain", "cpu"), "cpu_added_ms": added("cpu"), "plain_tokens_per_s": plain_tok_s,
+               "hsx_tokens_per_s": hsx_tok_s,
+               "writer_bytes_per_s": statistics.median(r["bytes"] / r["wall"] for r in runs["hsx"])}
+    if "write_s" in runs["hsx"][0]:  # --write
+        summary["written_raw_bytes_per_s"] = statistics.median(r["bytes"] / r["write_s"] for r in runs["hsx"])
+        summary["written_disk_bytes_per_s"] = statistics.median(r["written_disk_bytes"] / r["write_s"]
+                                                                for r in runs["hsx"])
+    return summary
 
 
-PER_STEP_HEADER = ["| case | batch | engine steps | plain ms/step | hsx in the step, ms/step | hsx after generate, ms/step | "
-                   "hsx's own / plain | wall added, ms/step | plain CPU ms/step | CPU added, ms/step |",
+def per_step_row(label: str, batch: int, s: dict) -> str:
+    return (f"| {label} | {batch} | {s['steps']} | {s['plain_ms']:.2f} | {s['in_step_ms']:.3f} | {s['after_ms']:.3f} | "
+            f"{100 * s['own_share']:.1f}% | {s['wall_added_ms']:+.2f} | {s['plain_cpu_ms']:.2f} | "
+            f"{s['cpu_added_ms']:+.2f} |")
+
+
+def throughput(label: str, batch: int, s: dict) -> str:
+    plain, hsx = s["plain_tokens_per_s"], s["hsx_tokens_per_s"]
+    line = (f"{label} batch {batch}: plain {plain:,.0f} tokens/s, capture on {hsx:,.0f} tokens/s ({hsx / plain:.3f}x), "
+            f"rows handed to the writer {s['writer_bytes_per_s'] / 1e6:,.1f} MB/s")
+    if "written_raw_bytes_per_s" in s:
+        line += (f"; the shard writer wrote them at {s['written_raw_bytes_per_s'] / 1e6:,.1f} MB/s raw, "
+                 f"{s['written_disk_bytes_per_s'] / 1e6:,.1f} MB/s on disk")
+    return line
+
+
+def written(prompts, samples, root: Path) -> dict:
+    """The samples through the pipeline's shard writer (default codec and lanes) into a fresh folder under
+    ``root``: seconds from the first ``add`` to ``close``, raw record bytes and bytes on disk; the folder is removed."""
+    from hsx.run.core import make_record
+    from hsx.shards import BackgroundSink, Manifest, build_metadata
+
+    layers = [{"name": name, "width": h.shape[1]} for name, h in samples[0].hidden.items()]
+    meta = build_metadata(layers=layers, dtype="bfloat16", mode="generate")
+    out = Path(tempfile.mkdtemp(prefix="shards-", dir=root))
+    t = time.perf_counter()
+    with BackgroundSink(out, Manifest(meta)) as sink:
+        for prompt, sample in zip(prompts, samples, strict=True):
+            sink.add(make_record(prompt, sample, "generate", "all"))
+    seconds = time.perf_counter() - t
+    disk = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
+    shutil.rmtree(out)
+    return {"write_s": seconds, "written_disk_bytes": disk}
+
+
+PER_STEP_HEADER = [("| case | batch | engine steps | plain ms/step | hsx in the step, ms/step | hsx after generate, ms/step"
+                    " | hsx's own / plain | wall added, ms/step | plain CPU ms/step | CPU added, ms/step |"),
                    "|---|---|---|---|---|---|---|---|---|---|"]
 
 
@@ -424,12 +482,14 @@ def per_step_main(a) -> None:
                 cases.append(("SmolLM2-135M plain", a.smollm2, None))
         rows = []
         for label, model, draft in cases:
-            rows += per_step_case(label, model, draft, batches, a.new_tokens, a.repeats, a.device, a.model_dtype)
+            rows += per_step_case(label, model, draft, batches, a.new_tokens, a.repeats, a.device, a.model_dtype,
+                                  root if a.write else None)
             gc.collect()  # the case's engine
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print("\n".join([*PER_STEP_HEADER, *rows]))
+    print("\n".join([*PER_STEP_HEADER, *(per_step_row(r["case"], r["batch"], r["summary"]) for r in rows)]))
     print(f"[bench] {os.cpu_count()} CPUs, {a.repeats} runs a side, {a.new_tokens} new tokens a prompt")
+    write_json(a, {"mode": "per-step", "cases": rows})
 
 
 if __name__ == "__main__":

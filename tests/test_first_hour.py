@@ -114,6 +114,28 @@ def test_a_config_refusal_names_the_options_that_differ(model_dir, tmp_path):
     assert "--overwrite" in msg
 
 
+def test_writer_lanes_reach_the_shard_writer_and_a_resume_may_change_them(model_dir, tmp_path, monkeypatch, capsys):
+    import hsx.run.pipeline as pipeline
+
+    lanes = []
+
+    class Recording(pipeline.BackgroundSink):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            lanes.append(self.lanes)
+
+    monkeypatch.setattr(pipeline, "BackgroundSink", Recording)
+    data, out = write_rows(tmp_path / "data.jsonl", ROWS), tmp_path / "out"
+    runner = CliRunner()
+    first = runner.invoke(app, extract_args(model_dir, data, out, "--limit", "2", "--writer-lanes", "3"))
+    assert first.exit_code == 0, first.output
+    resumed = runner.invoke(app, extract_args(model_dir, data, out, "--writer-lanes", "1"))  # not in the config hash
+    assert resumed.exit_code == 0, resumed.output
+    assert lanes == [3, 1] and hsx.open(out).sample_ids == ["a", "b", "c"]
+    code, err = run_main(monkeypatch, capsys, extract_args(model_dir, data, tmp_path / "other", "--writer-lanes", "0"))
+    assert code == 2 and "--writer-lanes must be a number of shard writers >= 1, got 0" in err, err
+
+
 # --------------------------------------------------------------------------- a folder holding a user's files
 
 def users_folder(path: Path) -> Path:

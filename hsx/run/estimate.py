@@ -108,7 +108,8 @@ def estimate(cfg: ExtractConfig) -> Estimate:
     raw = int(rows.sum()) * row_bytes
     on_disk = int(raw * CODEC_RATIO[cfg.compression] + BASE_BYTES_PER_TOKEN * int(n_tok_a.sum()))
     # the writer cuts shards by the records' (raw) bytes; with several lanes each shard is one row group
-    per_shard = min(cfg.max_shard_mb << 20, ROW_GROUP_BYTES) if DEFAULT_LANES > 1 else cfg.max_shard_mb << 20
+    lanes = cfg.writer_lanes or DEFAULT_LANES
+    per_shard = min(cfg.max_shard_mb << 20, ROW_GROUP_BYTES) if lanes > 1 else cfg.max_shard_mb << 20
     shards = max(math.ceil(raw / per_shard), math.ceil(len(n_tok) / cfg.max_shard_samples)) if n_tok else 0
     return Estimate(len(n_tok), len(errors), int(n_tok_a.sum()), int(rows.sum()), raw, on_disk, shards,
                     {g.name: g.width for g in groups}, cfg.compression, cfg.mode == "generate", errors)

@@ -55,7 +55,7 @@ def _extract_here(cfg: ExtractConfig, out: Path, overwrite: bool, progress: bool
     summary = RunSummary(str(out))
     # shards are encoded and written on a thread of their own, behind a bounded queue
     sink = BackgroundSink(out, manifest, max_shard_bytes=cfg.max_shard_mb << 20,
-                          max_shard_samples=cfg.max_shard_samples)
+                          max_shard_samples=cfg.max_shard_samples, lanes=cfg.writer_lanes)
     bar = Progress(len(rows), summary, progress)
     run.engine.watch_tokens(bar.tokens)
     try:

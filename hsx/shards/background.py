@@ -32,7 +32,7 @@ class WriterStats:
 
 class BackgroundSink:
     """Drop-in for :class:`ShardSink` (same constructor arguments, plus ``max_pending_bytes``; ``lanes``
-    defaults to ``DEFAULT_LANES`` here).
+    left out or None is ``DEFAULT_LANES`` here).
 
     The writer thread hands each row group to one of the sink's ``lanes`` (shards encoded and
     compressed in parallel, each lane on a thread of its own, one row group in flight per lane).
@@ -51,7 +51,8 @@ class BackgroundSink:
     """
 
     def __init__(self, directory: str | Path, manifest: Manifest, *, max_pending_bytes: int | None = None,
-                 lanes: int = DEFAULT_LANES, **sink_options):
+                 lanes: int | None = None, **sink_options):
+        lanes = DEFAULT_LANES if lanes is None else lanes
         self._sink = ShardSink(directory, manifest, lanes=lanes, **sink_options)
         self.lanes = lanes
         self.max_pending_bytes = 2 * self._sink.row_group_bytes if max_pending_bytes is None else max_pending_bytes

@@ -87,7 +87,7 @@ class ExtractWorker:
         out = as_path(cfg.output)  # in an object store the sink uploads the shards under their staging names
         manifest = Manifest(metadata=self.metadata, config_hash=cfg.fingerprint())
         sink = BackgroundSink(out, manifest, max_shard_bytes=cfg.max_shard_mb << 20,
-                         max_shard_samples=cfg.max_shard_samples,
+                         max_shard_samples=cfg.max_shard_samples, lanes=cfg.writer_lanes,
                          names=lambda part: unit_shard_name(unit, attempt, part), persist=False)
         summary = RunSummary(str(out))
         try:

@@ -51,7 +51,7 @@ def build_vl(family: str, out_dir: str | Path, seed: int = 0) -> Path:
 
     out = Path(out_dir)
     text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                max_position_embeddings=1024)
+                max_position_embeddings=1024, initializer_range=0.1)
     if family == "qwen2_5_vl":
         from transformers import Qwen2_5_VLConfig
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil

@@ -222,7 +222,7 @@ class VisionSpec:
         loss = torch.tensor(mask, dtype=torch.long).repeat_interleave(repeats).masked_fill(image_mask, 0)
         starts = (repeats.cumsum(0) - repeats)[at].tolist()  # each placeholder's index after expansion
         infos = [ImageInfo(src, image_hash(img), img.size, g, s, n)
-                 for src, img, g, s, n in zip(sources, images, grids, starts, counts)]
+                 for src, img, g, s, n in zip(sources, images, grids, starts, counts, strict=True)]
         return expanded.tolist(), loss.tolist(), VisionInputs(pixel_values, grid_thw, infos, image_mask.int().tolist())
 
 

@@ -231,3 +231,66 @@ def test_deepstack_families_are_refused():
 
     with pytest.raises(HsxError, match="'qwen3_vl': Qwen3-VL adds deepstack vision features"):
         VisionSpec.of(Qwen3VLConfig(), None, None)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "generate"])
+def test_extract_stores_image_columns_and_rows_that_match_the_oracle(target, images, tmp_path, mode):
+    """``hsx extract`` on a vision-language target: the shard's image columns are the renderer's, the
+    positions and rope_delta the model's, each row its teacher-forced forward's; a bad row is an error record."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    import hsx
+    from hsx.config import ExtractConfig
+    from hsx.run.pipeline import extract
+    from hsx.shards.format import FORMAT_VERSION
+
+    t = target
+    data = [{"id": f"r{i}", **r} for i, r in enumerate(rows(images))]
+    data.insert(1, {"id": "bad", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://example.com/x.png"}}]}]})
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in data))
+    cfg = ExtractConfig(model=str(t.path), dataset=str(path), output=str(tmp_path / "out"), id_field="id",
+                        dtype="float32", model_dtype="float32", layers="0,2,final", mode=mode, max_new_tokens=5,
+                        batch_size=2)
+    summary = extract(cfg, progress=False)
+    assert (summary.samples, summary.errors) == (3, 1)
+    ds = hsx.open(tmp_path / "out")
+    assert ds.metadata["format_version"] == FORMAT_VERSION == 8
+    assert ds.metadata["vision"]["model_type"] == t.family and ds.metadata["vision"]["mrope"] == t.spec.mrope
+    assert [e.sample_id for e in ds.errors] == ["bad"] and "network URL" in ds.errors[0].reason
+    table = pq.read_table(next((tmp_path / "out").rglob("*.parquet")))
+    by_id = {r["sample_id"]: r for r in table.to_pylist()}
+    renderer = Renderer(t.tok, mode, vision=(t.spec, t.processor))
+    checked = 0
+    for i, row in enumerate(rows(images)):
+        prompt = renderer.render(row, i)
+        stored = by_id[f"r{i}"]
+        ids = torch.tensor(stored["input_ids"])
+        assert stored["input_ids"][: len(prompt.input_ids)] == prompt.input_ids
+        assert stored["image_mask"] == prompt.vision.image_mask + [0] * (len(ids) - len(prompt.input_ids))
+        assert all(m == 0 for m, im in zip(stored["loss_mask"], stored["image_mask"], strict=True) if im)
+        assert [(im["sha256"], tuple(im["grid"]), im["start"], im["num_tokens"]) for im in stored["images"]] == \
+            [(im.sha256, im.grid, im.start, im.num_tokens) for im in prompt.vision.images]
+        hs, positions = oracle(t, prompt, ids)
+        if positions is not None:
+            assert stored["mrope_positions"] == positions[:, 0].reshape(-1).tolist()
+            assert stored["rope_delta"] == int(positions.max()) + 1 - len(ids)
+        else:
+            assert stored["mrope_positions"] is None and stored["rope_delta"] is None
+        sample = next(s for s in ds if s.sample_id == f"r{i}")
+        n = len(ids) if mode == "prefill" else len(ids) - 1
+        for name, b in (("b0", 0), ("b2", 2), ("final", len(hs) - 1)):
+            want = hs[b][0, :n]
+            err = (sample.hidden(name).float() - want).abs().max().item() / want.abs().max().item()
+            assert err < TOL, (f"r{i}", name, err)
+            checked += n
+    assert checked > 0
+    from typer.testing import CliRunner
+
+    from hsx.cli import app
+
+    result = CliRunner().invoke(app, ["verify", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output

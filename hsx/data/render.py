@@ -182,6 +182,10 @@ class Renderer:
             columns = [c for _, c in self._candidates]
             raise SampleError(sample_id, f"expected a value in one of the columns {columns}, all are missing or null")
         shape, column = found
+        if shape == "text" and self.vision is not None:  # plain text on a vision-language target: no images
+            input_ids, loss_mask = self._render_text(sample_id, row[column], column)
+            self._check_length(sample_id, len(input_ids))
+            return VisionPrompt(sample_id, index, input_ids, loss_mask, VisionInputs(None, None, [], [0] * len(input_ids)))
         if shape == "text":
             input_ids, loss_mask = self._render_text(sample_id, row[column], column)
         elif self.vision is not None:

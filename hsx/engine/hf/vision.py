@@ -35,11 +35,33 @@ from hsx.errors import HsxError
 
 @dataclass
 class VisionSample:
-    """A sample of a vision-language target: its rows, and the positions every stored token ran at."""
+    """A sample of a vision-language target: its rows, and the positions every stored token ran at.
+    ``sample.vision`` holds the shard's image columns (:func:`vision_columns`)."""
 
     sample: AlignedSample
     positions: torch.Tensor  # [3, N] for mRoPE models, else [N]: position of each of the sample's N tokens
     rope_delta: int | None  # mRoPE models: decode positions are prompt_len + t + rope_delta
+
+    def __post_init__(self):
+        self.sample.vision = vision_columns(self)
+
+
+def vision_columns(vs: VisionSample) -> dict:
+    """The image columns of a sample (hsx.shards.format.VISION_FIELDS)."""
+    return {"rope_delta": vs.rope_delta,
+            "mrope_positions": vs.positions.reshape(-1).to(torch.int32) if vs.positions.dim() == 2 else None}
+
+
+def with_prompt_images(vs: VisionSample, prompt) -> VisionSample:
+    """``vs`` with its prompt's image mask (0 on generated tokens) and per-image records added to its columns."""
+    n = vs.sample.input_ids.numel()
+    mask = torch.zeros(n, dtype=torch.uint8)
+    mask[: len(prompt.vision.image_mask)] = torch.tensor(prompt.vision.image_mask, dtype=torch.uint8)
+    vs.sample.vision["image_mask"] = mask
+    vs.sample.vision["images"] = [{"source": im.source, "sha256": im.sha256, "width": im.size[0], "height": im.size[1],
+                                   "grid": list(im.grid), "start": im.start, "num_tokens": im.num_tokens}
+                                  for im in prompt.vision.images]
+    return vs
 
 
 def refuse_draft_on_vision(model_type: str) -> HsxError:
@@ -166,7 +188,7 @@ class VisionEngine:
             sample = teacher_forced(torch.tensor(p.input_ids), {k: c[i, :n] for k, c in cols.items()}, self.groups,
                                     self.store_dtype)
             delta = None if b["deltas"] is None else int(b["deltas"][i])
-            out.append(VisionSample(sample, self._prompt_positions(b, i), delta))
+            out.append(with_prompt_images(VisionSample(sample, self._prompt_positions(b, i), delta), p))
         return out
 
     def generate(self, prompts, sampling: SamplingSettings) -> list[VisionSample]:
@@ -219,7 +241,8 @@ class VisionEngine:
             decode = torch.arange(p, n) + (int(b["deltas"][i]) if self.spec.mrope else 0)
             prompt_pos = self._prompt_positions(b, i)
             positions = torch.cat([prompt_pos, decode[None].expand(3, -1) if self.spec.mrope else decode], -1)
-            result.append(VisionSample(sample, positions, None if b["deltas"] is None else int(b["deltas"][i])))
+            delta = None if b["deltas"] is None else int(b["deltas"][i])
+            result.append(with_prompt_images(VisionSample(sample, positions, delta), prompts[i]))
         return result
 
     @staticmethod

@@ -294,3 +294,24 @@ def test_extract_stores_image_columns_and_rows_that_match_the_oracle(target, ima
 
     result = CliRunner().invoke(app, ["verify", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_server_engines_refuse_a_vision_language_target_before_loading(target, tmp_path, engine):
+    from hsx.config import ExtractConfig
+    from hsx.engine.contract import load_configs
+
+    cfg = ExtractConfig(model=str(target.path), dataset="unused.jsonl", output=str(tmp_path / "out"), engine=engine)
+    with pytest.raises(HsxError, match=f"is a vision-language model \\({target.family}\\); the {engine} engine does "
+                                       "not run vision-language targets in hsx: use --engine hf"):
+        load_configs(cfg)
+
+
+def test_a_draft_on_a_vision_language_target_is_refused_before_it_loads(target, tmp_path):
+    from hsx.config import ExtractConfig
+    from hsx.engine.hf.runner import HFRunner
+
+    cfg = ExtractConfig(model=str(target.path), dataset="unused.jsonl", output=str(tmp_path / "out"),
+                        draft_model=str(target.path))
+    with pytest.raises(HsxError, match=f"vision-language target \\({target.family}\\): speculative decoding"):
+        HFRunner(cfg)

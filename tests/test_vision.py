@@ -294,6 +294,17 @@ def test_extract_stores_image_columns_and_rows_that_match_the_oracle(target, ima
 
     result = CliRunner().invoke(app, ["verify", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(app, ["verify", "--recompute", str(tmp_path / "out")])
+    assert isinstance(result.exception, HsxError)  # hsx.cli.main turns it into "error: ..." and exit code 2
+    assert f"vision-language target ({t.family}); --recompute does not re-read images yet" in str(result.exception)
+    with pytest.raises(HsxError, match="the output holds no pixels"):
+        Renderer(t.tok, "prefill", vision=(t.spec, t.processor)).detect(ds_columns(tmp_path / "out"))
+
+
+def ds_columns(out):
+    from hsx.data.load import load_rows
+
+    return load_rows(str(out)).column_names
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])

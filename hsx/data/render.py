@@ -164,6 +164,9 @@ class Renderer:
     def detect(self, column_names: Iterable[str]) -> str:
         """The dataset's preferred row shape; fails if it has no column this renderer can use."""
         candidates = row_shapes(column_names, self.text_field, self.id_field)
+        if candidates[0][0] == "stored" and self.vision is not None:
+            raise HsxError("an hsx output's tokens as the dataset of a vision-language target: the output holds no "
+                           "pixels to run them with; give the dataset the output was made from")
         chats = [c for c in candidates if c[0] in CHAT_SHAPES]
         if chats:
             self._template_marks_assistant = bool(GENERATION_TAG.search(self._check_template()))

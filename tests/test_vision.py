@@ -326,3 +326,19 @@ def test_a_draft_on_a_vision_language_target_is_refused_before_it_loads(target, 
                         draft_model=str(target.path))
     with pytest.raises(HsxError, match=f"vision-language target \\({target.family}\\): speculative decoding"):
         HFRunner(cfg)
+
+
+def test_dry_run_expands_images_as_the_run_does(target, images, tmp_path):
+    import json
+
+    from hsx.config import ExtractConfig
+    from hsx.run.estimate import estimate
+
+    t = target
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows(images)))
+    est = estimate(ExtractConfig(model=str(t.path), dataset=str(path), output=str(tmp_path / "out"), mode="prefill",
+                                 layers="final"))
+    renderer = Renderer(t.tok, "prefill", vision=(t.spec, t.processor))
+    assert est.samples == 3 and not est.errors
+    assert est.tokens == sum(len(renderer.render(r, i).input_ids) for i, r in enumerate(rows(images)))

@@ -146,13 +146,14 @@ def test_image_tokens_and_grids_are_the_processors(target, images):
             assert prompt.input_ids == want["input_ids"][0].tolist()
             assert torch.equal(prompt.vision.pixel_values, want["pixel_values"])
         else:
-            from transformers import Qwen2_5_VLProcessor
+            from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor
 
             # the processor class cannot be built without torchvision (its video half); its rule runs on its own
+            processor_class = Qwen2VLProcessor if t.family == "qwen2_vl" else Qwen2_5_VLProcessor
             pixels = t.processor(images=pil, return_tensors="pt")
             rule = SimpleNamespace(image_processor=t.processor, image_token="<|image_pad|>")
             parts = text.split("<|image_pad|>")
-            expanded = parts[0] + "".join(Qwen2_5_VLProcessor.replace_image_token(rule, pixels, k) + parts[k + 1]
+            expanded = parts[0] + "".join(processor_class.replace_image_token(rule, pixels, k) + parts[k + 1]
                                           for k in range(len(pil)))
             assert prompt.input_ids == t.tok(expanded, add_special_tokens=False)["input_ids"]
             assert torch.equal(prompt.vision.image_grid_thw, pixels["image_grid_thw"])

@@ -35,7 +35,7 @@ TEMPLATE = r"""{%- macro render(content) -%}
 {{- '<|assistant|>\n' }}
 {%- endif %}"""
 
-FAMILIES = ("qwen2_5_vl", "llava")
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "llava")
 
 
 def vl_tokenizer(image_text: str):
@@ -64,6 +64,20 @@ def build_vl(family: str, out_dir: str | Path, seed: int = 0) -> Path:
             vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                                patch_size=14, spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[1],
                                window_size=56),
+            vision_start_token_id=ids[0], image_token_id=ids[1], vision_end_token_id=ids[2], video_token_id=ids[3])
+        processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 2, max_pixels=28 * 28 * 24, patch_size=14,
+                                             merge_size=2, temporal_patch_size=2)
+    elif family == "qwen2_vl":
+        from transformers import Qwen2VLConfig
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        tok = vl_tokenizer(QWEN_IMAGE)
+        ids = tok.convert_tokens_to_ids(VISION_TOKENS)
+        config = Qwen2VLConfig(
+            text_config=dict(vocab_size=len(tok), rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                                    "rope_theta": 10000.0}, **text),
+            vision_config=dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=14,
+                               spatial_merge_size=2, temporal_patch_size=2),
             vision_start_token_id=ids[0], image_token_id=ids[1], vision_end_token_id=ids[2], video_token_id=ids[3])
         processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 2, max_pixels=28 * 28 * 24, patch_size=14,
                                              merge_size=2, temporal_patch_size=2)

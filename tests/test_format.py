@@ -101,7 +101,7 @@ def test_version_1_shards_still_read_bit_exact(tmp_path):
             assert torch.equal(s.positions, torch.arange(r.num_rows))
         tm = ds.tokens("l0")
         assert torch.equal(bits(tm.hidden), bits(torch.cat([r.hidden["l0"] for r in records])))
-    assert FORMAT_VERSION == 7
+    assert FORMAT_VERSION == 8
 
 
 def test_samples_come_back_in_source_order_whatever_order_they_were_written(tmp_path):

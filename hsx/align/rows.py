@@ -41,6 +41,8 @@ class AlignedSample:
     finish_reason: str = "length"
     verify_steps: int | None = None  # speculative steps when the engine reports their count but not accept_lens
     ready: object | None = field(default=None, repr=False, compare=False)  # torch.cuda.Event of the host copies
+    # a vision-language target's per-sample columns (hsx.shards.format.VISION_FIELDS), None otherwise
+    vision: dict | None = field(default=None, compare=False)
 
     def wait(self) -> None:
         """Block until ``hidden`` holds its values (a no-op unless they are being copied from a GPU)."""

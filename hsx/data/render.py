@@ -47,6 +47,7 @@ from typing import Any, Iterable, Literal, Mapping
 from jinja2.exceptions import TemplateError
 
 from hsx.data import stored
+from hsx.data.images import IMAGE_PARTS, ImageColumn, VisionInputs, VisionSpec, cut_inside_image, image_of_part
 from hsx.errors import HsxError, SampleError
 
 TEXT_FIELDS = ("text", "prompt", "content", "question")
@@ -76,6 +77,15 @@ class StoredPrompt(Prompt):
     finish_reason: str
     accept_lens: list[int] | None
     verify_steps: int | None
+
+
+@dataclass
+class VisionPrompt(Prompt):
+    """A chat with images for a vision-language target: ``input_ids`` are the expanded ids (each image's
+    placeholder repeated to its token count), ``loss_mask`` is 0 on image tokens, ``vision`` holds the
+    pixels, grids, hashes and the image-token mask."""
+
+    vision: VisionInputs
 
 
 def stored_prompt(row: Mapping[str, Any], index: int, mode: Mode) -> StoredPrompt:
@@ -134,7 +144,10 @@ class Renderer:
         chat_template: str | None = None,
         max_length: int | None = None,
         split: str = "train",
+        vision: tuple[VisionSpec, object] | None = None,
     ):
+        """``vision``: ``(spec, image_processor)`` of a vision-language target; rows may then hold images
+        (:mod:`hsx.data.images`) and render to :class:`VisionPrompt`."""
         if mode not in ("generate", "prefill"):
             raise HsxError(f"mode must be 'generate' or 'prefill', got {mode!r}")
         self.tokenizer = tokenizer
@@ -144,12 +157,16 @@ class Renderer:
         self.chat_template = chat_template
         self.max_length = max_length
         self.split = split
+        self.vision = vision
         self._candidates: list[tuple[str, str]] | None = None  # (shape, column), in order of preference
         self._template_marks_assistant = False  # the chat template has {% generation %} markers
 
     def detect(self, column_names: Iterable[str]) -> str:
         """The dataset's preferred row shape; fails if it has no column this renderer can use."""
         candidates = row_shapes(column_names, self.text_field, self.id_field)
+        if candidates[0][0] == "stored" and self.vision is not None:
+            raise HsxError("an hsx output's tokens as the dataset of a vision-language target: the output holds no "
+                           "pixels to run them with; give the dataset the output was made from")
         chats = [c for c in candidates if c[0] in CHAT_SHAPES]
         if chats:
             self._template_marks_assistant = bool(GENERATION_TAG.search(self._check_template()))
@@ -168,8 +185,21 @@ class Renderer:
             columns = [c for _, c in self._candidates]
             raise SampleError(sample_id, f"expected a value in one of the columns {columns}, all are missing or null")
         shape, column = found
+        if shape == "text" and self.vision is not None:  # plain text on a vision-language target: no images
+            input_ids, loss_mask = self._render_text(sample_id, row[column], column)
+            self._check_length(sample_id, len(input_ids))
+            return VisionPrompt(sample_id, index, input_ids, loss_mask, VisionInputs(None, None, [], [0] * len(input_ids)))
         if shape == "text":
             input_ids, loss_mask = self._render_text(sample_id, row[column], column)
+        elif self.vision is not None:
+            images: list[tuple[str, object]] = []
+            turns = _turns(sample_id, shape, row[column], (images, ImageColumn(sample_id, row)))
+            input_ids, loss_mask = self._render_chat(sample_id, turns)
+            spec, processor = self.vision
+            input_ids, loss_mask, vision = spec.expand(sample_id, input_ids, loss_mask, [im for _, im in images],
+                                                       [src for src, _ in images], processor)
+            self._check_length(sample_id, len(input_ids), vision)
+            return VisionPrompt(sample_id, index, input_ids, loss_mask, vision)
         else:
             turns = _turns(sample_id, shape, row[column])
             input_ids, loss_mask = self._render_chat(sample_id, turns)
@@ -198,7 +228,8 @@ class Renderer:
 
     def _render_chat(self, sample_id: str, turns: list[dict[str, str]]) -> tuple[list[int], list[int]]:
         if self.mode == "prefill":
-            empty = next((i for i, t in enumerate(turns) if t["role"] == "assistant" and not t["content"].strip()), None)
+            empty = next((i for i, t in enumerate(turns) if t["role"] == "assistant" and isinstance(t["content"], str)
+                          and not t["content"].strip()), None)
             if empty is not None:
                 raise SampleError(sample_id, f"turn {empty}: the assistant turn is empty or whitespace; in prefill "
                                   "mode its loss mask would be the end-of-turn token alone (a missing reply?)")
@@ -268,11 +299,16 @@ class Renderer:
             )
         return template
 
-    def _check_length(self, sample_id: str, length: int) -> None:
+    def _check_length(self, sample_id: str, length: int, vision: VisionInputs | None = None) -> None:
         if length == 0:
             raise SampleError(sample_id, "rendered to no tokens")
         if self.max_length is None:
             return
+        cut = None if vision is None or length <= self.max_length else cut_inside_image(vision, self.max_length)
+        if cut is not None:
+            raise SampleError(sample_id, f"sequence is {length} tokens; max_length {self.max_length} falls inside the "
+                                         f"image block of {cut.source!r} (tokens {cut.start}..{cut.start + cut.num_tokens - 1}); "
+                                         "hsx never cuts an image block, the sample is refused")
         if self.mode == "generate" and length >= self.max_length:
             raise SampleError(
                 sample_id, f"prompt is {length} tokens; max_length {self.max_length} leaves no room to generate"
@@ -281,8 +317,10 @@ class Renderer:
             raise SampleError(sample_id, f"sequence is {length} tokens, longer than max_length {self.max_length}")
 
 
-def _turns(sample_id: str, shape: str, value: Any) -> list[dict[str, str]]:
-    """Validate a chat column and normalise it to [{role, content}] with role in ROLES."""
+def _turns(sample_id: str, shape: str, value: Any, images: tuple[list, ImageColumn] | None = None) -> list[dict]:
+    """Validate a chat column and normalise it to [{role, content}] with role in ROLES. With ``images``
+    (a vision-language target: the list the row's images are appended to, and its image column), a
+    turn with image parts keeps its content as a list of ``{"type": "image"}`` and text parts."""
     role_key, content_key = CHAT_SHAPES[shape]
     expected = f"a list of {{{role_key}, {content_key}}} turns"
     if not isinstance(value, (list, tuple)):
@@ -303,7 +341,10 @@ def _turns(sample_id: str, shape: str, value: Any) -> list[dict[str, str]]:
         if not isinstance(role, str) or role not in accepted:
             raise SampleError(sample_id, f"{where}: unknown {role_key} {role!r}; expected one of {list(accepted)}")
         if isinstance(content, (list, tuple)):
-            content = _text_of_parts(sample_id, f"{where} {content_key}", content)
+            content = _content_of_parts(sample_id, f"{where} {content_key}", content, images)
+        if isinstance(content, list):
+            turns.append({"role": accepted[role], "content": content})
+            continue
         if not isinstance(content, str):
             raise SampleError(sample_id, f"{where}: {content_key} must be a string or a list of text parts, "
                                          f"found {type(content).__name__}")
@@ -313,25 +354,31 @@ def _turns(sample_id: str, shape: str, value: Any) -> list[dict[str, str]]:
     return turns
 
 
-IMAGE_PARTS = ("image", "image_url", "input_image")
-
-
-def _text_of_parts(sample_id: str, where: str, parts) -> str:
-    """A turn's content given as OpenAI-style parts (``{"type": "text", "text": ...}``) -> its text, the
-    parts joined by a newline (as vLLM renders such a list for a template that takes strings)."""
-    texts = []
+def _content_of_parts(sample_id: str, where: str, parts, images: tuple[list, ImageColumn] | None) -> str | list:
+    """A turn's content given as OpenAI-style parts. Text parts alone -> their text, joined by a newline
+    (as vLLM renders such a list for a template that takes strings). With image parts (a vision-language
+    target only) -> the parts as the chat template takes them, each image read and appended to ``images``."""
+    texts, out = [], []
     for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, Mapping) else None
         if kind == "text" and isinstance(part.get("text"), str):
             texts.append(part["text"])
+            out.append({"type": "text", "text": part["text"]})
+        elif kind in IMAGE_PARTS and images is not None:
+            if kind == "input_image":
+                raise SampleError(sample_id, f"{where} part {j}: an 'input_image' part (the Responses API's); "
+                                             "hsx reads 'image' and 'image_url' parts")
+            found, column = images
+            found.append(image_of_part(sample_id, f"{where} part {j}", part, column))
+            out.append({"type": "image"})
         elif kind in IMAGE_PARTS:
-            raise SampleError(sample_id, f"{where} part {j}: an {kind!r} part; hsx extracts text and chats only "
-                                         "(images need a vision-language target, which the engines do not run yet)")
+            raise SampleError(sample_id, f"{where} part {j}: an {kind!r} part, but the target model is not a "
+                                         "vision-language model hsx runs")
         else:
             found = ("a 'text' part without a string 'text'" if kind == "text" else
                      f"a part of type {kind!r}" if kind is not None else type(part).__name__)
-            raise SampleError(sample_id, f"{where} part {j}: expected a {{'type': 'text', 'text': str}} part, "
+            raise SampleError(sample_id, f"{where} part {j}: expected a 'text', 'image' or 'image_url' part, "
                                          f"found {found}")
-    if not texts:
+    if not out:
         raise SampleError(sample_id, f"{where}: an empty list of parts")
-    return "\n".join(texts)
+    return out if len(texts) < len(out) else "\n".join(texts)

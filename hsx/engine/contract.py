@@ -21,6 +21,10 @@ Set by the constructor (``Runner(cfg)``, which loads the model):
 - ``groups``: the columns the run stores (:class:`hsx.align.LayerGroup`, in order).
 - ``model_config``: the target's transformers config (hashed into the metadata).
 - ``shape``: :class:`hsx.align.ModelShape` of the target.
+- ``vision`` (optional): ``(VisionSpec, image processor)`` of a vision-language target
+  (:mod:`hsx.data.images`), which the renderer expands images with; such a runner also has
+  ``describe_vision() -> dict``, the metadata's ``vision`` record, and hands back samples whose
+  ``vision`` holds the shard's image columns.
 
 Methods, called by the run layer:
 
@@ -112,6 +116,9 @@ def load_configs(cfg: ExtractConfig) -> tuple:
     except (OSError, ValueError) as e:
         raise HsxError(f"cannot load the config or tokenizer of {cfg.model!r}"
                        + (f" / draft {cfg.draft_model!r}" if cfg.draft_model else "") + f": {e}") from None
+    if getattr(model_config, "vision_config", None) is not None:
+        raise HsxError(f"{cfg.model!r} is a vision-language model ({model_config.model_type}); the {cfg.engine} engine "
+                       "does not run vision-language targets in hsx: use --engine hf")
     return tokenizer, model_config, draft_config
 
 

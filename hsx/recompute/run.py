@@ -207,6 +207,9 @@ def recompute(
     chunk = resolve_chunk(chunk)
     ds = open_shards(path)
     meta = ds.metadata
+    if meta.get("vision"):
+        raise HsxError(f"{path}: made from a vision-language target ({meta['vision'].get('model_type')}); --recompute "
+                       "does not re-read images yet (hsx verify without --recompute checks the shards)")
     groups = [LayerGroup.from_description(g) for g in meta["layers"]]
     model_path, ref = _load_reference(meta, model, device, dtype, force, trust_remote_code, ds.model_path())
     compute = str(ref.dtype).removeprefix("torch.")

@@ -218,7 +218,8 @@ def make_record(prompt, sample, mode: str, keep: str) -> Record:
         pos = torch.from_numpy(sample_positions(keep, mode, sample.input_ids.numel(), sample.prompt_len, loss_mask.numpy()))
         hidden = {name: h[pos] for name, h in hidden.items()}
     return Record(prompt.sample_id, prompt.source_index, sample.input_ids, sample.prompt_len, loss_mask,
-                  sample.finish_reason, hidden, sample.accept_lens, sample.verify_steps, ready=sample.ready)
+                  sample.finish_reason, hidden, sample.accept_lens, sample.verify_steps, ready=sample.ready,
+                  vision=sample.vision)
 
 
 def results(engine, rows: Iterable, renderer, cfg: ExtractConfig, done: set[str] = frozenset(),

@@ -63,6 +63,22 @@ class Estimate:
         return lines
 
 
+def _vision_of(cfg: ExtractConfig, model_config, tokenizer):
+    """A vision-language target's ``(VisionSpec, image processor)`` for the renderer (images are read and
+    expanded as the run will), else None."""
+    if getattr(model_config, "vision_config", None) is None:
+        return None
+    from transformers import AutoImageProcessor
+
+    from hsx.data.images import VisionSpec
+
+    try:
+        processor = AutoImageProcessor.from_pretrained(cfg.model, backend="pil", trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise HsxError(f"{cfg.model}: cannot read the model's image processor ({e})") from None
+    return VisionSpec.of(model_config, tokenizer, processor), processor
+
+
 def estimate(cfg: ExtractConfig) -> Estimate:
     """Tokens, rows, bytes and shards the run ``cfg`` will write (module docstring)."""
     from transformers import AutoConfig, AutoTokenizer
@@ -80,13 +96,16 @@ def estimate(cfg: ExtractConfig) -> Estimate:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as e:
         raise HsxError(f"{cfg.model}: cannot read the model's config or tokenizer ({e})") from None
-    groups = parse_layers(cfg.layers, ModelShape.from_config(model_config), cfg.eagle3_layer_ids)
+    vision = _vision_of(cfg, model_config, tokenizer)
+    text_config = model_config.get_text_config(decoder=True)
+    groups = parse_layers(cfg.layers, ModelShape.from_config(text_config), cfg.eagle3_layer_ids)
     rows_all = load_rows(cfg.dataset, cfg.split)
     data = rows_all.select(range(min(cfg.limit, len(rows_all)))) if cfg.limit is not None else rows_all
-    context = getattr(model_config, "max_position_embeddings", None)
+    context = getattr(text_config, "max_position_embeddings", None)
     chat_template = open(cfg.chat_template).read() if cfg.chat_template else None
     renderer = Renderer(tokenizer, cfg.mode, text_field=cfg.text_field, id_field=cfg.id_field,
-                        chat_template=chat_template, max_length=cfg.max_length or context, split=cfg.split)
+                        chat_template=chat_template, max_length=cfg.max_length or context, split=cfg.split,
+                        vision=vision)
     renderer.detect(data.column_names)
     n_tok, prompt, masks, errors = [], [], [], []
     for i, row in enumerate(data):

@@ -54,6 +54,7 @@ def make_renderer(cfg: ExtractConfig, engine, column_names) -> tuple:
     renderer = Renderer(
         engine.tokenizer, cfg.mode, text_field=cfg.text_field, id_field=cfg.id_field,
         chat_template=chat_template, max_length=cfg.max_length or engine.context_length, split=cfg.split,
+        vision=getattr(engine, "vision", None),
     )
     renderer.detect(column_names)
     return renderer, chat_template
@@ -110,4 +111,5 @@ def run_metadata(cfg: ExtractConfig, engine, chat_template: str | None, dataset_
         codec=cfg.compression,
         sampling=sampling if cfg.mode == "generate" else None,
         config_hash=cfg.fingerprint(),
+        vision=engine.describe_vision() if getattr(engine, "vision", None) else None,
     )

@@ -1,4 +1,4 @@
-"""Shard format v6 (and v1-v5 for reading): the Arrow schema, the metadata blob, a long sample's pieces.
+"""Shard format v8 (and v1-v7 for reading): the Arrow schema, the metadata blob, a long sample's pieces.
 
 One Parquet row per sample, or per piece of a long sample (version 6): a sample whose rows would
 take more than ``PIECE_BYTES`` in a column is cut into pieces of consecutive rows, one Parquet row
@@ -25,8 +25,8 @@ import xxhash
 from hsx.errors import HsxError, ShardError
 from hsx.shards import positions, quant
 
-FORMAT_VERSION = 7  # 7: manifest as head, segments and commit log; shards fanned out 4,096 a folder; 6: long samples in pieces (first_row); 5: lossy dtypes; 4: codec (planes layout), positions column, hidden manifest and staged shards
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+FORMAT_VERSION = 8  # 8: image columns of vision-language runs (VISION_FIELDS, metadata "vision"); 7: manifest as head, segments and commit log; shards fanned out 4,096 a folder; 6: long samples in pieces (first_row); 5: lossy dtypes; 4: codec (planes layout), positions column, hidden manifest and staged shards
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 # A piece's stored bytes in its widest column, at most: Parquet keeps a row in one page, and a page
 # (like a BYTE_ARRAY value) has a 32-bit size.
 PIECE_BYTES = 64 << 20
@@ -64,6 +64,18 @@ BASE_NAMES = [f.name for f in BASE_FIELDS]
 POSITIONS = pa.field("positions", pa.list_(pa.int32()), nullable=False)
 # Version 6: which of its sample's rows a Parquet row's first hidden row is (0: the sample's first piece).
 FIRST_ROW = pa.field("first_row", pa.int64(), nullable=False)
+
+# Version 8, shards of a vision-language target (metadata "vision" set) only: per token, 1 on image tokens;
+# per image, where it came from, its pixel hash, size, grid and token block; mRoPE models' positions of
+# every token, axis-major ([t..., h..., w...], 3 x N values; null on other models) and rope_delta.
+IMAGE_MASK = pa.field("image_mask", pa.list_(pa.uint8()), nullable=False)
+IMAGES = pa.field("images", pa.list_(pa.struct([
+    pa.field("source", pa.string()), pa.field("sha256", pa.string()), pa.field("width", pa.int32()),
+    pa.field("height", pa.int32()), pa.field("grid", pa.list_(pa.int32())), pa.field("start", pa.int32()),
+    pa.field("num_tokens", pa.int32())])), nullable=False)
+MROPE_POSITIONS = pa.field("mrope_positions", pa.list_(pa.int32()))
+ROPE_DELTA = pa.field("rope_delta", pa.int32())
+VISION_FIELDS = [IMAGE_MASK, IMAGES, MROPE_POSITIONS, ROPE_DELTA]
 
 # Which positions a sample's rows cover, by mode: row j is position j in both.
 COVERS = {"generate": "0..N-2", "prefill": "0..N-1"}
@@ -110,6 +122,8 @@ def schema_for(metadata: Mapping) -> pa.Schema:
         fields.append(POSITIONS)
     if version >= 6:
         fields.append(FIRST_ROW)
+    if version >= 8 and metadata.get("vision"):
+        fields.extend(VISION_FIELDS)
     for g in metadata["layers"]:
         fields.append(pa.field(g["name"], hidden_type(g["width"], metadata["dtype"], version), nullable=False))
     blob = json.dumps(metadata, sort_keys=True).encode()

@@ -45,6 +45,9 @@ class Record:
     # Set when ``hidden`` is still being copied from the device: an event whose ``synchronize()``
     # returns once the copies are done (see :class:`hsx.align.AlignedSample`).
     ready: object | None = field(default=None, repr=False, compare=False)
+    # a vision-language sample: image_mask [N] uint8, images (list of dicts), mrope_positions [3, N] or None,
+    # rope_delta int or None (hsx.shards.format.VISION_FIELDS)
+    vision: Mapping | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         self.hidden = Columns(self.hidden)
@@ -195,9 +198,32 @@ class ShardWriter:
             arrays.append(_int_lists([p[a:b] for p, (_, a, b) in zip(every, parts)], pa.int32(), np.int32))
         if fmt.FIRST_ROW.name in self.schema.names:
             arrays.append(pa.array([a for _, a, _ in parts], pa.int64()))
+        if fmt.IMAGE_MASK.name in self.schema.names:
+            arrays.extend(self._vision_arrays(records))
         for name, _ in self.layers:
             arrays.append(self.cells[name].encode([r.hidden[name] if b is None else r.hidden[name][a:b] for r, a, b in parts]))
         self._writer.write_table(pa.Table.from_arrays(arrays, schema=self.schema), row_group_size=len(parts))
+
+    def _vision_arrays(self, records: Sequence[Record]) -> list[pa.Array]:
+        """The vision columns of a row group: every record of a vision-language run carries them."""
+        missing = [r.sample_id for r in records if r.vision is None]
+        if missing:
+            raise ShardError(f"sample {missing[0]!r}: a vision-language shard needs its image columns; the record has none")
+        vis = [r.vision for r in records]
+        for r, v in zip(records, vis, strict=True):
+            if v["image_mask"].numel() != r.input_ids.numel():
+                raise ShardError(f"sample {r.sample_id!r}: image_mask of {v['image_mask'].numel()} tokens for "
+                                 f"{r.input_ids.numel()} input_ids")
+        mrope = [v["mrope_positions"] for v in vis]
+        mrope_arr = _int_lists([m if m is not None else torch.zeros(0, dtype=torch.int32) for m in mrope], pa.int32(), np.int32)
+        if any(m is None for m in mrope):
+            mrope_arr = pa.ListArray.from_arrays(mrope_arr.offsets, mrope_arr.values, mask=pa.array([m is None for m in mrope]))
+        return [
+            _int_lists([v["image_mask"] for v in vis], pa.uint8(), np.uint8),
+            pa.array([v["images"] for v in vis], fmt.IMAGES.type),
+            mrope_arr,
+            pa.array([v["rope_delta"] for v in vis], pa.int32()),
+        ]
 
     def _positions(self, r: Record) -> torch.Tensor:
         """The positions the ``keep`` rule gives the sample (rows that disagree are ``hsx verify``'s to report)."""

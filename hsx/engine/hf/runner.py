@@ -42,7 +42,11 @@ class HFRunner(Runner):
         self.device = resolve_device(cfg.device)
         self.dtype = compute_dtype(cfg.model_dtype, self.device)
         remote = cfg.trust_remote_code
+        self.vision = None  # (VisionSpec, image processor) of a vision-language target
         try:
+            if getattr(AutoConfig.from_pretrained(cfg.model, trust_remote_code=remote), "vision_config", None) is not None:
+                self._start_vision(cfg)
+                return
             self.tokenizer = AutoTokenizer.from_pretrained(cfg.model, trust_remote_code=remote)
             model = load_causal_lm(cfg.model, self.dtype, remote, what="target model")
             draft = None
@@ -77,6 +81,41 @@ class HFRunner(Runner):
             stop_token_ids=stop_token_ids(cfg.model, self.tokenizer, getattr(model, "generation_config", None)),
         )
 
+    def _start_vision(self, cfg: ExtractConfig) -> None:
+        """A vision-language target (hsx.engine.hf.vision): what it does not run is refused before it loads."""
+        from hsx.engine.hf.engine import SamplingSettings
+        from hsx.engine.hf.vision import VisionEngine, load_vision_target, refuse_draft_on_vision
+
+        from transformers import AutoConfig
+
+        kind = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code).model_type
+        if cfg.draft_model:
+            raise refuse_draft_on_vision(kind)
+        if cfg.prefill_chunk is not None:
+            raise HsxError(f"vision-language target ({kind}): --prefill-chunk is not run on vision-language targets "
+                           "(each prompt is one forward with its images)")
+        model, self.tokenizer, processor, spec = load_vision_target(cfg.model, self.dtype, cfg.trust_remote_code)
+        model.to(self.device)
+        self.vision = (spec, processor)
+        self.model_config = model.config
+        self.shape = ModelShape.from_config(model.config.get_text_config(decoder=True))
+        self.head_layers, self.spec = None, None
+        self.groups = parse_layers(cfg.layers, self.shape, cfg.eagle3_layer_ids)
+        self.context_length = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        self.engine = VisionEngine(model, self.groups, spec, store_dtype=dtype_of(cfg.dtype))
+        self.sampling = SamplingSettings(
+            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
+            stop_token_ids=stop_token_ids(cfg.model, self.tokenizer, getattr(model, "generation_config", None)),
+        )
+
+    def describe_vision(self) -> dict:
+        """The metadata's ``vision`` record (docs/FORMAT.md, "Images")."""
+        spec = self.vision[0]
+        return {"model_type": spec.model_type, "image_token_id": spec.image_token_id, "image_token": spec.image_token,
+                "image_processor": type(self.vision[1]).__name__, "mrope": spec.mrope,
+                "boundary_0": "the merged text and vision embeddings the first block receives",
+                "image_hash": "sha256 of 'WIDTHxHEIGHT:' + the RGB pixels"}
+
     def describe(self) -> dict:
         import transformers
 
@@ -95,7 +134,8 @@ class HFRunner(Runner):
         return out
 
     def watch_tokens(self, callback) -> None:
-        self.engine.on_tokens = callback
+        if self.vision is None:  # the vision-language path reports per finished sample
+            self.engine.on_tokens = callback
 
     def run(self, prompts) -> list:
         """One sample per prompt, in order, from one batch."""
@@ -113,6 +153,12 @@ class HFRunner(Runner):
         admission's prefill within ``max_batch_tokens``.
         """
         cfg = self.cfg
+        if self.vision is not None:  # batches of batch_size in window order, each one forward or one decode loop
+            for i in range(0, len(prompts), cfg.batch_size):
+                batch = prompts[i : i + cfg.batch_size]
+                done = self.engine.prefill(batch) if cfg.mode == "prefill" else self.engine.generate(batch, self.sampling)
+                yield from zip(batch, (vs.sample for vs in done), strict=True)
+            return
         if self.engine.on_tokens is not None:
             generate = cfg.mode == "generate"
             self.engine.on_tokens(queued=sum(len(p.input_ids) for p in prompts),

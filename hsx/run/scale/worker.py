@@ -35,6 +35,9 @@ def encode_item(item: Record | Failure) -> dict:
     (bfloat16 rows travel as their int16 bit patterns: numpy has no bfloat16)."""
     if isinstance(item, Failure):
         return {"failure": asdict(item)}
+    if item.vision is not None:
+        raise HsxError(f"sample {item.sample_id!r}: the image columns of a vision-language target do not travel "
+                       "between Ray workers; run it without --ray")
     item.wait()
     hidden = {name: (h.contiguous().view(torch.int16) if h.dtype == torch.bfloat16 else h.contiguous()).numpy()
               for name, h in item.hidden.items()}

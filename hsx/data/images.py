@@ -1,0 +1,231 @@
+"""Images in chat rows: the parts that name them, reading and hashing them, and the tokens a
+vision-language model sees for them.
+
+Where an image comes from
+    ``{"type": "image", "image": PATH}``                  a local file;
+    ``{"type": "image_url", "image_url": {"url": URL}}``  ``file://`` URLs only (also a bare string URL);
+                                                          hsx fetches nothing over the network;
+    ``{"type": "image"}`` (no value)                      the next image of the row's ``images`` (a list)
+                                                          or ``image`` column, e.g. an HF ``datasets``
+                                                          ``Image`` feature, in order of appearance.
+
+What the model sees
+    The chat template writes one placeholder token per image part (``<|image_pad|>`` inside
+    ``<|vision_start|> ... <|vision_end|>`` for Qwen2/2.5-VL, ``<image>`` for LLaVA); each
+    placeholder is expanded to the number of tokens the model's vision tower produces for that
+    image, as the model's processor does (:class:`VisionSpec`). The expanded ids are the sample's
+    ids: they are what the model runs over and what the rows align to.
+
+An image's hash is the sha256 of ``"{width}x{height}:"`` followed by its RGB pixels, so a file
+re-encoded without a pixel change keeps its hash and any pixel change alters it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+from urllib.parse import unquote, urlparse
+
+from hsx.errors import HsxError, SampleError
+
+IMAGE_PARTS = ("image", "image_url", "input_image")
+IMAGE_COLUMNS = ("images", "image")  # where a part without a value takes its image from, in this order
+# Families whose placeholders hsx expands (model_type -> how the processor counts an image's tokens).
+MERGED_GRID = ("qwen2_vl", "qwen2_5_vl")  # tokens = t * h * w // merge_size ** 2 of image_grid_thw
+PATCHES = ("llava",)  # tokens = (H // patch) * (W // patch) (+1 with the CLS feature kept)
+# Vision-language families hsx refuses, with the reason.
+REFUSED = {
+    "qwen3_vl": "Qwen3-VL adds deepstack vision features inside its first blocks",
+    "qwen3_vl_moe": "Qwen3-VL adds deepstack vision features inside its first blocks",
+    "qwen3_5": "Qwen3.5 adds deepstack vision features inside its first blocks",
+    "qwen3_5_moe": "Qwen3.5 adds deepstack vision features inside its first blocks",
+}
+
+
+@dataclass
+class ImageInfo:
+    """One image of a sample: where it came from, its pixel hash, its grid and its block of tokens."""
+
+    source: str  # a path, or "column images[k]"
+    sha256: str
+    size: tuple[int, int]  # (width, height) as read
+    grid: tuple[int, ...]  # image_grid_thw (t, h, w) for grid models; (H, W) of the processed pixels otherwise
+    start: int  # first token of its block in the expanded ids
+    num_tokens: int
+
+
+@dataclass
+class VisionInputs:
+    """What a sample adds to its ids for the vision tower: pixels, grids and where the image tokens are."""
+
+    pixel_values: Any  # torch.Tensor: [patches, D] for grid models, [images, 3, H, W] otherwise
+    image_grid_thw: Any | None  # torch.Tensor [images, 3] for grid models
+    images: list[ImageInfo] = field(default_factory=list)
+    image_mask: list[int] = field(default_factory=list)  # per token of the expanded ids: 1 on image tokens
+
+
+def image_hash(image) -> str:
+    """sha256 of an image's size and RGB pixels (see the module docstring)."""
+    rgb = image.convert("RGB")
+    return hashlib.sha256(f"{rgb.width}x{rgb.height}:".encode() + rgb.tobytes()).hexdigest()
+
+
+def read_image(sample_id: str, where: str, path: str):
+    """A local image file as an RGB PIL image; SampleError naming the sample and part if it cannot be read."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as img:
+            return img.convert("RGB")
+    except FileNotFoundError:
+        raise SampleError(sample_id, f"{where}: image file {path!r} does not exist") from None
+    except (UnidentifiedImageError, OSError, ValueError) as e:
+        raise SampleError(sample_id, f"{where}: cannot read image {path!r} ({type(e).__name__}: {e})") from None
+
+
+def _url_path(sample_id: str, where: str, url: Any) -> str:
+    if not isinstance(url, str):
+        raise SampleError(sample_id, f"{where}: expected an image URL string, found {type(url).__name__}")
+    parsed = urlparse(url)
+    if parsed.scheme == "file":
+        return unquote(parsed.path)
+    if parsed.scheme in ("http", "https"):
+        raise SampleError(sample_id, f"{where}: {url!r} is a network URL; hsx reads local images only "
+                                     "(download it and give a file:// URL or a path)")
+    raise SampleError(sample_id, f"{where}: image URL {url!r} has scheme {parsed.scheme!r}; hsx reads file:// "
+                                 "URLs and paths only")
+
+
+class ImageColumn:
+    """The images of a row's ``images`` / ``image`` column, handed out in order to parts without a value."""
+
+    def __init__(self, sample_id: str, row: Mapping[str, Any]):
+        self.sample_id = sample_id
+        self.name = next((c for c in IMAGE_COLUMNS if row.get(c) is not None), None)
+        value = row.get(self.name) if self.name else None
+        self.values = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
+        self.used = 0
+
+    def take(self, where: str):
+        if self.used >= len(self.values):
+            have = f"column {self.name!r} holds {len(self.values)}" if self.name else "the row has no 'images' or 'image' column"
+            raise SampleError(self.sample_id, f"{where}: an image part without a value takes the row's next image, "
+                                              f"but {have}")
+        k, self.used = self.used, self.used + 1
+        return f"column {self.name}[{k}]", self._open(self.values[k], f"{where} (column {self.name!r} image {k})")
+
+    def _open(self, value, where: str):
+        if hasattr(value, "convert"):  # a PIL image (datasets' decoded Image feature)
+            return value.convert("RGB")
+        if isinstance(value, Mapping):  # datasets' undecoded Image: {"bytes", "path"}
+            if value.get("bytes") is not None:
+                import io
+
+                from PIL import Image
+
+                try:
+                    return Image.open(io.BytesIO(value["bytes"])).convert("RGB")
+                except (OSError, ValueError) as e:
+                    raise SampleError(self.sample_id, f"{where}: cannot decode image bytes ({e})") from None
+            value = value.get("path")
+        if isinstance(value, str):
+            return read_image(self.sample_id, where, value)
+        raise SampleError(self.sample_id, f"{where}: expected a PIL image, {{'bytes', 'path'}} or a path, "
+                                          f"found {type(value).__name__}")
+
+
+def image_of_part(sample_id: str, where: str, part: Mapping[str, Any], column: ImageColumn) -> tuple[str, Any]:
+    """``(source, RGB image)`` of an image part."""
+    kind = part["type"]
+    value = part.get(kind)
+    if kind == "image_url":
+        url = value.get("url") if isinstance(value, Mapping) else value
+        path = _url_path(sample_id, where, url)
+        return path, read_image(sample_id, where, path)
+    if value is None:
+        return column.take(where)
+    if isinstance(value, str):
+        if "://" in value:
+            path = _url_path(sample_id, where, value)
+            return path, read_image(sample_id, where, path)
+        return value, read_image(sample_id, where, value)
+    if isinstance(value, Path):
+        return str(value), read_image(sample_id, where, str(value))
+    return "inline", column._open(value, where)
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """How a vision-language family writes and counts image tokens (read from its config and image processor)."""
+
+    model_type: str
+    image_token_id: int
+    image_token: str  # the placeholder the chat template writes once per image
+    merge_size: int = 1  # grid models: patches merged into one token along each side
+    patch_size: int = 1  # patch models: pixels per patch side
+    keeps_cls: bool = False  # patch models: the CLS feature is one more token ("full" feature strategy)
+
+    @property
+    def mrope(self) -> bool:
+        return self.model_type in MERGED_GRID
+
+    @staticmethod
+    def of(model_config, tokenizer, image_processor) -> "VisionSpec":
+        kind = getattr(model_config, "model_type", None)
+        if kind in REFUSED:
+            raise HsxError(f"vision-language target {kind!r}: {REFUSED[kind]}; hsx does not run it yet")
+        if kind not in MERGED_GRID + PATCHES:
+            raise HsxError(f"vision-language target {kind!r}: hsx expands image tokens for "
+                           f"{', '.join(MERGED_GRID + PATCHES)} only")
+        token_id = int(model_config.image_token_id)
+        token = tokenizer.convert_ids_to_tokens(token_id)
+        if kind in MERGED_GRID:
+            return VisionSpec(kind, token_id, token, merge_size=int(image_processor.merge_size))
+        strategy = model_config.vision_feature_select_strategy
+        return VisionSpec(kind, token_id, token, patch_size=int(model_config.vision_config.patch_size),
+                          keeps_cls=strategy == "full")
+
+    def pixels(self, image_processor, images: Sequence) -> tuple[Any, Any, list[tuple[int, ...]], list[int]]:
+        """``(pixel_values, image_grid_thw or None, grid per image, tokens per image)``."""
+        out = image_processor(images=list(images), return_tensors="pt")
+        if self.mrope:
+            grid = out["image_grid_thw"]
+            counts = (grid.prod(-1) // self.merge_size ** 2).tolist()
+            return out["pixel_values"], grid, [tuple(g) for g in grid.tolist()], counts
+        pixels = out["pixel_values"]
+        height, width = int(pixels.shape[-2]), int(pixels.shape[-1])
+        n = (height // self.patch_size) * (width // self.patch_size) + int(self.keeps_cls)
+        return pixels, None, [(height, width)] * len(images), [n] * len(images)
+
+    def expand(self, sample_id: str, ids: list[int], mask: list[int], images: Sequence, sources: Sequence[str],
+               image_processor) -> tuple[list[int], list[int], VisionInputs]:
+        """Placeholders of ``ids`` expanded to each image's tokens; the loss mask 0 on every image token."""
+        import torch
+
+        ids_t = torch.tensor(ids, dtype=torch.long)
+        at = (ids_t == self.image_token_id).nonzero()[:, 0]
+        if at.numel() != len(images):
+            raise SampleError(sample_id, f"the rendered chat holds {at.numel()} image placeholders "
+                                         f"({self.image_token!r}) for {len(images)} images; each image part is one "
+                                         "placeholder (is the placeholder written in a text part?)")
+        if not images:
+            return ids, mask, VisionInputs(None, None, [], [0] * len(ids))
+        pixel_values, grid_thw, grids, counts = self.pixels(image_processor, images)
+        repeats = torch.ones(len(ids), dtype=torch.long)
+        repeats[at] = torch.tensor(counts, dtype=torch.long)
+        is_image = torch.zeros(len(ids), dtype=torch.bool)
+        is_image[at] = True
+        expanded = ids_t.repeat_interleave(repeats)
+        image_mask = is_image.repeat_interleave(repeats)
+        loss = torch.tensor(mask, dtype=torch.long).repeat_interleave(repeats).masked_fill(image_mask, 0)
+        starts = (repeats.cumsum(0) - repeats)[at].tolist()  # each placeholder's index after expansion
+        infos = [ImageInfo(src, image_hash(img), img.size, g, s, n)
+                 for src, img, g, s, n in zip(sources, images, grids, starts, counts, strict=True)]
+        return expanded.tolist(), loss.tolist(), VisionInputs(pixel_values, grid_thw, infos, image_mask.int().tolist())
+
+
+def cut_inside_image(inputs: VisionInputs, limit: int) -> ImageInfo | None:
+    """The image whose block a cut after ``limit`` tokens would split, if any."""
+    return next((im for im in inputs.images if im.start < limit < im.start + im.num_tokens), None)

@@ -1,0 +1,269 @@
+"""Vision-language targets on the transformers engine: batched prefill and plain decoding over chats
+with images (Qwen2-VL, Qwen2.5-VL, LLaVA; :mod:`hsx.data.images` renders their rows).
+
+A batch is right-padded; one forward gets the padded ids, a 2-D attention mask, the pixels of every
+image of the batch in row order (and ``image_grid_thw`` where the model has one) and explicit
+positions, so the model's own position guesses never decide alignment:
+
+* mRoPE models (Qwen2/2.5-VL): the 3-D positions of the prompt come from the model's
+  ``get_rope_index`` over the expanded ids with their image-token types; each row's ``rope_delta``
+  (its largest prompt position + 1 - its prompt length) is carried into every decode step, whose
+  token sits at ``prompt_len + t + rope_delta`` on all three axes;
+* other models: ``cumsum(mask) - 1``.
+
+The language model's blocks are hooked as in :mod:`hsx.engine.hf.capture`: boundary 0 is the first
+block's input, which on these models is the merged text and vision embeddings (image tokens hold the
+projected vision features); boundary b is block b-1's output; L is the final norm's input, ``final``
+its output. Rows follow the usual alignment (``hsx.align``): row j is the state after token j.
+
+Not run here (refused before the first forward): a draft model or EAGLE3 head, deepstack models
+(Qwen3-VL, Qwen3.5), chunked prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from hsx.align import FINAL, AlignedSample, Collector, LayerGroup, teacher_forced
+from hsx.data.images import VisionSpec
+from hsx.engine.hf.engine import SamplingSettings, _choose
+from hsx.errors import HsxError
+
+
+@dataclass
+class VisionSample:
+    """A sample of a vision-language target: its rows, and the positions every stored token ran at.
+    ``sample.vision`` holds the shard's image columns (:func:`vision_columns`)."""
+
+    sample: AlignedSample
+    positions: torch.Tensor  # [3, N] for mRoPE models, else [N]: position of each of the sample's N tokens
+    rope_delta: int | None  # mRoPE models: decode positions are prompt_len + t + rope_delta
+
+    def __post_init__(self):
+        self.sample.vision = vision_columns(self)
+
+
+def vision_columns(vs: VisionSample) -> dict:
+    """The image columns of a sample (hsx.shards.format.VISION_FIELDS)."""
+    return {"rope_delta": vs.rope_delta,
+            "mrope_positions": vs.positions.reshape(-1).to(torch.int32) if vs.positions.dim() == 2 else None}
+
+
+def with_prompt_images(vs: VisionSample, prompt) -> VisionSample:
+    """``vs`` with its prompt's image mask (0 on generated tokens) and per-image records added to its columns."""
+    n = vs.sample.input_ids.numel()
+    mask = torch.zeros(n, dtype=torch.uint8)
+    mask[: len(prompt.vision.image_mask)] = torch.tensor(prompt.vision.image_mask, dtype=torch.uint8)
+    vs.sample.vision["image_mask"] = mask
+    vs.sample.vision["images"] = [{"source": im.source, "sha256": im.sha256, "width": im.size[0], "height": im.size[1],
+                                   "grid": list(im.grid), "start": im.start, "num_tokens": im.num_tokens}
+                                  for im in prompt.vision.images]
+    return vs
+
+
+def refuse_draft_on_vision(model_type: str) -> HsxError:
+    return HsxError(f"vision-language target ({model_type}): speculative decoding (--draft-model) is not run on "
+                    "vision-language targets; extract without a draft")
+
+
+def language_model(model):
+    """The decoder a vision-language model runs its merged embeddings through (blocks in ``.layers``, ``.norm``)."""
+    inner = getattr(model, "model", None)
+    lm = getattr(inner, "language_model", None)
+    if lm is None or not hasattr(lm, "layers") or not hasattr(lm, "norm"):
+        raise HsxError(f"vision-language target {type(model).__name__}: expected its decoder at "
+                       "model.model.language_model with .layers and .norm")
+    return lm
+
+
+class _Hooks:
+    """Forward hooks on the language model keeping the boundaries ``sources`` of the latest forward."""
+
+    def __init__(self, lm, sources: Sequence, num_layers: int):
+        self.lm, self.sources, self.num_layers = lm, tuple(dict.fromkeys(sources)), num_layers
+        self.states: dict = {}
+        self.handles: list = []
+
+    def __enter__(self):
+        blocks, norm, wanted = self.lm.layers, self.lm.norm, set(self.sources)
+        if 0 in wanted:
+            self.handles.append(blocks[0].register_forward_pre_hook(self._keep(0, pre=True)))
+        for b in sorted(s for s in wanted if s != FINAL and 0 < s < self.num_layers):
+            self.handles.append(blocks[b - 1].register_forward_hook(self._keep(b)))
+        if self.num_layers in wanted:
+            self.handles.append(norm.register_forward_pre_hook(self._keep(self.num_layers, pre=True)))
+        if FINAL in wanted:
+            self.handles.append(norm.register_forward_hook(self._keep(FINAL)))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def _keep(self, source, pre: bool = False):
+        if pre:
+            def hook(module, args):
+                self.states[source] = args[0]
+        else:
+            def hook(module, args, output):
+                self.states[source] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    def columns(self, groups: Sequence[LayerGroup]) -> dict[str, torch.Tensor]:
+        return {g.name: torch.cat([self.states[s] for s in g.sources], -1) for g in groups}
+
+
+class VisionEngine:
+    """Prefill and plain decoding of a vision-language target over :class:`hsx.data.render.VisionPrompt` s."""
+
+    def __init__(self, model, groups: Sequence[LayerGroup], spec: VisionSpec, *, store_dtype: torch.dtype = torch.bfloat16,
+                 draft_model=None):
+        if draft_model is not None:
+            raise refuse_draft_on_vision(spec.model_type)
+        self.model = model.eval()
+        self.spec = spec
+        self.groups = list(groups)
+        self.store_dtype = store_dtype
+        self.lm = language_model(model)
+        self.num_layers = len(self.lm.layers)
+        self.device = next(model.parameters()).device
+        for g in self.groups:
+            bad = [s for s in g.sources if s != FINAL and not 0 <= s <= self.num_layers]
+            if bad:
+                raise HsxError(f"layer group {g.name!r}: boundaries {bad} outside 0..{self.num_layers}")
+        self.sources = [s for g in self.groups for s in g.sources]
+
+    # ---- batch inputs ----------------------------------------------------------------------
+
+    def _batch(self, prompts) -> dict:
+        """Right-padded ids, mask, positions and pixels of ``prompts``; ``deltas [B]`` for mRoPE models."""
+        dev, lengths = self.device, [len(p.input_ids) for p in prompts]
+        ids = torch.zeros(len(prompts), max(lengths), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, : lengths[i]] = torch.tensor(p.input_ids, dtype=torch.long)
+        mask = (torch.arange(ids.shape[1])[None, :] < torch.tensor(lengths)[:, None]).long()
+        ids, mask = ids.to(dev), mask.to(dev)
+        with_images = [p.vision for p in prompts if p.vision.images]
+        pixels = torch.cat([v.pixel_values for v in with_images]).to(dev, self.model.dtype) if with_images else None
+        grid = None
+        if self.spec.mrope and with_images:
+            grid = torch.cat([v.image_grid_thw for v in with_images]).to(dev)
+        extra = {} if pixels is None else {"pixel_values": pixels}
+        if grid is not None:
+            extra["image_grid_thw"] = grid
+        if self.spec.mrope:
+            types = (ids == self.spec.image_token_id).int() * mask.int()
+            positions, deltas = self.model.model.get_rope_index(ids, mm_token_type_ids=types, image_grid_thw=grid,
+                                                                attention_mask=mask)
+            deltas = deltas.reshape(-1)
+        else:
+            positions, deltas = (mask.cumsum(1) - 1).clamp(min=0), None
+        return {"ids": ids, "mask": mask, "positions": positions, "deltas": deltas, "lengths": lengths, "extra": extra}
+
+    def _forward(self, ids, mask, positions, cache=None, **extra):
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                          use_cache=cache is not None, output_hidden_states=False, **extra)
+
+    def _prompt_positions(self, b: dict, i: int) -> torch.Tensor:
+        n = b["lengths"][i]
+        return (b["positions"][:, i, :n] if self.spec.mrope else b["positions"][i, :n]).cpu()
+
+    # ---- entry points ----------------------------------------------------------------------
+
+    def prefill(self, prompts) -> list[VisionSample]:
+        """Teacher-forced rows for every position of each prompt, in one batched forward."""
+        if not prompts:
+            return []
+        b = self._batch(prompts)
+        with torch.inference_mode(), _Hooks(self.lm, self.sources, self.num_layers) as hooks:
+            self._forward(b["ids"], b["mask"], b["positions"], **b["extra"])
+            cols = hooks.columns(self.groups)
+        out = []
+        for i, p in enumerate(prompts):
+            n = b["lengths"][i]
+            sample = teacher_forced(torch.tensor(p.input_ids), {k: c[i, :n] for k, c in cols.items()}, self.groups,
+                                    self.store_dtype)
+            delta = None if b["deltas"] is None else int(b["deltas"][i])
+            out.append(with_prompt_images(VisionSample(sample, self._prompt_positions(b, i), delta), p))
+        return out
+
+    def generate(self, prompts, sampling: SamplingSettings) -> list[VisionSample]:
+        """Plain decoding of every prompt in one batch until a stop token or ``max_new_tokens``."""
+        from transformers import DynamicCache
+
+        if not prompts:
+            return []
+        b = self._batch(prompts)
+        batch, dev = len(prompts), self.device
+        lengths = torch.tensor(b["lengths"], device=dev)
+        # where each row's next token sits: its prompt length (+ rope_delta on mRoPE models)
+        next_pos = lengths + (b["deltas"].to(dev) if b["deltas"] is not None else 0)
+        if self.spec.mrope:
+            top = b["positions"].amax(dim=(0, 2)) + 1  # [B] largest prompt position + 1 (padding sits at 0)
+            if not torch.equal(top, next_pos):
+                raise HsxError(f"rope_delta does not continue the prompt's positions: {top.tolist()} vs {next_pos.tolist()}")
+        generator = torch.Generator(device=dev).manual_seed(sampling.seed)
+        collector = Collector(self.groups, self.store_dtype)
+        rids = list(range(batch))
+        cache = DynamicCache(config=self.model.config)
+        stops = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=dev)
+        done: dict[int, AlignedSample] = {}
+        with torch.inference_mode(), _Hooks(self.lm, self.sources, self.num_layers) as hooks:
+            out = self._forward(b["ids"], b["mask"], b["positions"], cache, **b["extra"])
+            last = out.logits[torch.arange(batch, device=dev), lengths - 1]  # [B, V]
+            token = _choose(last, sampling, generator)  # [B]
+            cols = hooks.columns(self.groups)
+            for i in rids:
+                collector.prefill(i, torch.tensor(prompts[i].input_ids), {k: c[i, : b["lengths"][i]] for k, c in cols.items()},
+                                  int(token[i]))
+            mask, n_out = b["mask"], 1
+            self._retire(rids, token, n_out, stops, sampling, collector, done)
+            while len(done) < batch:
+                mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype, device=dev)], 1)
+                step_pos = (next_pos + n_out - 1)[:, None]  # [B, 1] the position of the token being fed
+                positions = step_pos[None].expand(3, -1, -1) if self.spec.mrope else step_pos
+                out = self._forward(token[:, None], mask, positions, cache)
+                nxt = _choose(out.logits[:, -1], sampling, generator)
+                cols = hooks.columns(self.groups)
+                for i in rids:
+                    if i not in done:
+                        collector.extend(i, {k: c[i] for k, c in cols.items()}, nxt[i : i + 1])
+                token, n_out = nxt, n_out + 1
+                self._retire(rids, token, n_out, stops, sampling, collector, done)
+        result = []
+        for i in rids:
+            sample = done[i]
+            n, p = sample.input_ids.numel(), b["lengths"][i]
+            decode = torch.arange(p, n) + (int(b["deltas"][i]) if self.spec.mrope else 0)
+            prompt_pos = self._prompt_positions(b, i)
+            positions = torch.cat([prompt_pos, decode[None].expand(3, -1) if self.spec.mrope else decode], -1)
+            delta = None if b["deltas"] is None else int(b["deltas"][i])
+            result.append(with_prompt_images(VisionSample(sample, positions, delta), prompts[i]))
+        return result
+
+    @staticmethod
+    def _retire(rids, token, n_out, stops, sampling, collector, done) -> None:
+        """Finish the rows whose newest token is a stop token or whose completion reached ``max_new_tokens``."""
+        is_stop = torch.isin(token, stops).tolist()
+        for i in rids:
+            if i in done:
+                continue
+            if is_stop[i] or n_out >= sampling.max_new_tokens:
+                done[i] = collector.finish(i, n_out, "stop" if is_stop[i] else "length", speculative=False)
+
+
+def load_vision_target(path: str, dtype: torch.dtype, trust_remote_code: bool = False):
+    """``(model, tokenizer, image_processor, spec)`` of a vision-language checkpoint; the image processor is
+    its PIL backend (no torchvision needed)."""
+    from transformers import AutoConfig, AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    processor = AutoImageProcessor.from_pretrained(path, backend="pil", trust_remote_code=trust_remote_code)
+    spec = VisionSpec.of(config, tokenizer, processor)  # refuses what hsx does not run, before the weights load
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    return model.eval(), tokenizer, processor, spec

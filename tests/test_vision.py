@@ -1,0 +1,345 @@
+"""Vision-language targets: rows with images, rendered and run, every stored row against an independent
+teacher-forced forward of the model given the same pixels; image tokens and grids against the
+processor's own expansion; positions against the model's rope index over the whole sequence."""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hsx.align import ModelShape, parse_layers
+from hsx.data.images import VisionSpec, image_hash
+from hsx.data.render import Renderer, VisionPrompt
+from hsx.engine.hf.engine import SamplingSettings
+from hsx.engine.hf.vision import VisionEngine, load_vision_target
+from hsx.errors import HsxError, SampleError
+from vl_models import FAMILIES, LLAVA_IMAGE, QWEN_IMAGE, build_vl, draw
+
+# fp32, batched vs unbatched, relative to the largest reference value: correct rows measured up to 6.5e-7;
+# rows run at 1-D instead of mRoPE positions are off by up to 0.27
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    d = tmp_path_factory.mktemp("images")
+    return {"a": draw(d / "a.png", 64, 96, 1), "b": draw(d / "b.png", 120, 50, 2), "c": draw(d / "c.jpg", 56, 28, 3)}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def target(request, tmp_path_factory):
+    torch.set_num_threads(1)
+    path = build_vl(request.param, tmp_path_factory.mktemp(request.param))
+    model, tok, processor, spec = load_vision_target(str(path), torch.float32)
+    return SimpleNamespace(family=request.param, path=path, model=model, tok=tok, processor=processor, spec=spec)
+
+
+def rows(images):
+    """One image, two images of different sizes (a file:// URL among them), a text-only chat."""
+    return [
+        {"messages": [{"role": "user", "content": [{"type": "image", "image": images["a"]},
+                                                   {"type": "text", "text": "what is in the picture?"}]},
+                      {"role": "assistant", "content": "a cat on a mat"}]},
+        {"messages": [{"role": "user", "content": "no picture here, just words"},
+                      {"role": "assistant", "content": "fine"}]},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file://" + images["b"]}},
+                                                   {"type": "text", "text": "and this one"},
+                                                   {"type": "image", "image": images["c"]}]},
+                      {"role": "assistant", "content": "two of them"}]},
+    ]
+
+
+def oracle(t, prompt: VisionPrompt, ids: torch.Tensor) -> tuple[tuple, torch.Tensor | None]:
+    """One unbatched teacher-forced forward over ``ids`` with the sample's pixels; the model places the
+    image features and (Qwen) computes its own mRoPE positions from the token types."""
+    extra = {}
+    v = prompt.vision
+    if v.images:
+        extra["pixel_values"] = v.pixel_values
+        if v.image_grid_thw is not None:
+            extra["image_grid_thw"] = v.image_grid_thw
+    positions = None
+    if t.spec.mrope:
+        extra["mm_token_type_ids"] = (ids == t.spec.image_token_id).int()[None]
+        positions, _ = t.model.model.get_rope_index(ids[None], extra["mm_token_type_ids"],
+                                                    image_grid_thw=extra.get("image_grid_thw"))
+        t.model.model.rope_deltas = None
+    with torch.inference_mode():
+        out = t.model(input_ids=ids[None], output_hidden_states=True, **extra)
+    if t.spec.mrope:
+        t.model.model.rope_deltas = None  # the model caches it between calls
+    return out.hidden_states, positions
+
+
+def check_rows(t, prompt, vs, groups, mode: str):
+    sample = vs.sample
+    ids = sample.input_ids
+    hs, positions = oracle(t, prompt, ids)
+    n = ids.numel() if mode == "prefill" else ids.numel() - 1
+    num_layers = len(hs) - 1
+    source = {"b0": 0, "b2": 2, "final": num_layers}
+    for g in groups:
+        got = sample.hidden[g.name]
+        assert got.shape[0] == n, (g.name, got.shape, n)
+        want = hs[source[g.name]][0, :n]
+        err = (got.float() - want.float()).abs().max().item() / want.abs().max().item()
+        assert err < TOL, f"{t.family} {mode} {prompt.sample_id} {g.name}: relative error {err}"
+    if positions is not None:  # the positions every token ran at, decode steps included
+        assert torch.equal(vs.positions, positions[:, 0]), prompt.sample_id
+        assert vs.rope_delta == int(positions.max()) + 1 - ids.numel()
+    else:
+        assert torch.equal(vs.positions, torch.arange(ids.numel()))
+
+
+def groups_of(t):
+    return parse_layers("0,2,final", ModelShape.from_config(t.model.config.get_text_config()), None)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "generate"])
+@pytest.mark.parametrize("batched", [True, False])
+def test_every_row_matches_a_teacher_forced_forward(target, images, mode, batched):
+    t = target
+    renderer = Renderer(t.tok, mode, vision=(t.spec, t.processor))
+    prompts = [renderer.render(r, i) for i, r in enumerate(rows(images))]
+    engine = VisionEngine(t.model, groups_of(t), t.spec, store_dtype=torch.float32)
+    batches = [prompts] if batched else [[p] for p in prompts]
+    sampling = SamplingSettings(max_new_tokens=6, stop_token_ids=(t.tok.eos_token_id,))
+    out = [s for b in batches for s in (engine.prefill(b) if mode == "prefill" else engine.generate(b, sampling))]
+    assert [len(p.vision.images) for p in prompts] == [1, 0, 2]
+    for prompt, vs in zip(prompts, out, strict=True):
+        assert vs.sample.input_ids[: len(prompt.input_ids)].tolist() == prompt.input_ids
+        if mode == "generate":
+            assert vs.sample.input_ids.numel() > len(prompt.input_ids)
+        check_rows(t, prompt, vs, engine.groups, mode)
+
+
+def test_image_tokens_and_grids_are_the_processors(target, images):
+    """hsx's expansion against the processor's own placeholder rule on the same rendered text."""
+    t = target
+    renderer = Renderer(t.tok, "prefill", vision=(t.spec, t.processor))
+    for i, row in enumerate(rows(images)):
+        prompt = renderer.render(row, i)
+        turns = [{"role": m["role"], "content": [{"type": "image"} if p["type"] != "text" else p for p in m["content"]]
+                  if isinstance(m["content"], list) else m["content"]} for m in row["messages"]]
+        text = t.tok.apply_chat_template(turns, tokenize=False)
+        from PIL import Image
+
+        pil = [Image.open(p["image"] if p["type"] == "image" else p["image_url"]["url"][len("file://"):]).convert("RGB")
+               for m in row["messages"] if isinstance(m["content"], list) for p in m["content"] if p["type"] != "text"]
+        ids = torch.tensor(prompt.input_ids)
+        assert prompt.vision.image_mask == (ids == t.spec.image_token_id).int().tolist()
+        assert all(prompt.loss_mask[j] == 0 for j in range(len(ids)) if prompt.vision.image_mask[j])
+        assert sum(prompt.loss_mask) > 0
+        assert [im.sha256 for im in prompt.vision.images] == [image_hash(im) for im in pil]
+        if not pil:
+            assert prompt.input_ids == t.tok(text, add_special_tokens=False)["input_ids"]
+            continue
+        if t.family == "llava":
+            from transformers import LlavaProcessor
+
+            proc = LlavaProcessor(image_processor=t.processor, tokenizer=t.tok, patch_size=14,
+                                  vision_feature_select_strategy="default", num_additional_image_tokens=1)
+            want = proc(text=[text], images=pil, return_tensors="pt", add_special_tokens=False)
+            assert prompt.input_ids == want["input_ids"][0].tolist()
+            assert torch.equal(prompt.vision.pixel_values, want["pixel_values"])
+        else:
+            from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor
+
+            # the processor class cannot be built without torchvision (its video half); its rule runs on its own
+            processor_class = Qwen2VLProcessor if t.family == "qwen2_vl" else Qwen2_5_VLProcessor
+            pixels = t.processor(images=pil, return_tensors="pt")
+            rule = SimpleNamespace(image_processor=t.processor, image_token="<|image_pad|>")
+            parts = text.split("<|image_pad|>")
+            expanded = parts[0] + "".join(processor_class.replace_image_token(rule, pixels, k) + parts[k + 1]
+                                          for k in range(len(pil)))
+            assert prompt.input_ids == t.tok(expanded, add_special_tokens=False)["input_ids"]
+            assert torch.equal(prompt.vision.image_grid_thw, pixels["image_grid_thw"])
+            assert [im.grid for im in prompt.vision.images] == [tuple(g) for g in pixels["image_grid_thw"].tolist()]
+        for im in prompt.vision.images:  # each block is the image's tokens, contiguous
+            assert prompt.vision.image_mask[im.start : im.start + im.num_tokens] == [1] * im.num_tokens
+
+
+def test_image_column_of_a_datasets_row(target, images):
+    """An HF datasets ``Image`` column, referenced by value-less image parts in order."""
+    import datasets
+
+    t = target
+    ds = datasets.Dataset.from_dict({
+        "messages": [[{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "compare"},
+                                                   {"type": "image"}]},
+                      {"role": "assistant", "content": [{"type": "text", "text": "they differ"}]}]],
+        "images": [[images["b"], images["a"]]],
+    }).cast_column("images", datasets.Sequence(datasets.Image()))
+    renderer = Renderer(t.tok, "prefill", vision=(t.spec, t.processor))
+    prompt = renderer.render(ds[0], 0)
+    from PIL import Image
+
+    assert [im.source for im in prompt.vision.images] == ["column images[0]", "column images[1]"]
+    assert [im.sha256 for im in prompt.vision.images] == [image_hash(Image.open(images[k])) for k in ("b", "a")]
+    engine = VisionEngine(t.model, groups_of(t), t.spec, store_dtype=torch.float32)
+    check_rows(t, prompt, engine.prefill([prompt])[0], engine.groups, "prefill")
+
+
+def test_a_length_limit_never_cuts_an_image_block(target, images):
+    t = target
+    full = Renderer(t.tok, "prefill", vision=(t.spec, t.processor)).render(rows(images)[2], 2)
+    second = full.vision.images[1]
+    inside = second.start + second.num_tokens // 2
+    with pytest.raises(SampleError, match=r"falls inside the image block of .*c\.jpg.*never cuts an image block"):
+        Renderer(t.tok, "prefill", max_length=inside, vision=(t.spec, t.processor)).render(rows(images)[2], 2)
+    after = second.start + second.num_tokens  # a cut after the block: the plain refusal
+    with pytest.raises(SampleError, match=f"sequence is {len(full.input_ids)} tokens, longer than max_length {after}"):
+        Renderer(t.tok, "prefill", max_length=after, vision=(t.spec, t.processor)).render(rows(images)[2], 2)
+
+
+def bad_rows(images, family):
+    placeholder = LLAVA_IMAGE.strip() if family == "llava" else QWEN_IMAGE
+    user = lambda *parts: {"messages": [{"role": "user", "content": list(parts)}]}
+    text = {"type": "text", "text": "look"}
+    return [
+        (user({"type": "image", "image": "/no/such/file.png"}, text), r"turn 0 content part 0: image file '/no/such/file.png' does not exist"),
+        (user(text, {"type": "image", "image": __file__}), r"turn 0 content part 1: cannot read image .*test_vision\.py"),
+        (user({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}), "part 0: 'https://example.com/a.png' is a network URL"),
+        (user({"type": "audio", "audio": "x.wav"}, text), "part 0: expected a 'text', 'image' or 'image_url' part, found a part of type 'audio'"),
+        (user({"type": "image"}, text), "part 0: an image part without a value takes the row's next image, but the row has no"),
+        (user({"type": "image", "image": images["a"]}, {"type": "text", "text": "and " + placeholder}),
+         r"holds 2 image placeholders .* for 1 images"),
+    ]
+
+
+def test_bad_image_rows_are_error_records_naming_the_part(target, images):
+    t = target
+    renderer = Renderer(t.tok, "generate", vision=(t.spec, t.processor))
+    for i, (row, message) in enumerate(bad_rows(images, t.family)):
+        with pytest.raises(SampleError, match=message) as err:
+            renderer.render(row, i)
+        assert err.value.sample_id == f"train:{i}"
+    good = renderer.render(rows(images)[0], 9)  # the renderer goes on after them
+    assert len(good.vision.images) == 1
+
+
+def test_what_is_not_run_is_refused_before_the_first_forward(target):
+    t = target
+    with pytest.raises(HsxError, match=re.escape(f"vision-language target ({t.spec.model_type}): speculative decoding")):
+        VisionEngine(t.model, groups_of(t), t.spec, draft_model=t.model)
+
+
+def test_deepstack_families_are_refused():
+    from transformers import Qwen3VLConfig
+
+    with pytest.raises(HsxError, match="'qwen3_vl': Qwen3-VL adds deepstack vision features"):
+        VisionSpec.of(Qwen3VLConfig(), None, None)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "generate"])
+def test_extract_stores_image_columns_and_rows_that_match_the_oracle(target, images, tmp_path, mode):
+    """``hsx extract`` on a vision-language target: the shard's image columns are the renderer's, the
+    positions and rope_delta the model's, each row its teacher-forced forward's; a bad row is an error record."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    import hsx
+    from hsx.config import ExtractConfig
+    from hsx.run.pipeline import extract
+    from hsx.shards.format import FORMAT_VERSION
+
+    t = target
+    data = [{"id": f"r{i}", **r} for i, r in enumerate(rows(images))]
+    data.insert(1, {"id": "bad", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://example.com/x.png"}}]}]})
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in data))
+    cfg = ExtractConfig(model=str(t.path), dataset=str(path), output=str(tmp_path / "out"), id_field="id",
+                        dtype="float32", model_dtype="float32", layers="0,2,final", mode=mode, max_new_tokens=5,
+                        batch_size=2)
+    summary = extract(cfg, progress=False)
+    assert (summary.samples, summary.errors) == (3, 1)
+    ds = hsx.open(tmp_path / "out")
+    assert ds.metadata["format_version"] == FORMAT_VERSION == 8
+    assert ds.metadata["vision"]["model_type"] == t.family and ds.metadata["vision"]["mrope"] == t.spec.mrope
+    assert [e.sample_id for e in ds.errors] == ["bad"] and "network URL" in ds.errors[0].reason
+    table = pq.read_table(next((tmp_path / "out").rglob("*.parquet")))
+    by_id = {r["sample_id"]: r for r in table.to_pylist()}
+    renderer = Renderer(t.tok, mode, vision=(t.spec, t.processor))
+    checked = 0
+    for i, row in enumerate(rows(images)):
+        prompt = renderer.render(row, i)
+        stored = by_id[f"r{i}"]
+        ids = torch.tensor(stored["input_ids"])
+        assert stored["input_ids"][: len(prompt.input_ids)] == prompt.input_ids
+        assert stored["image_mask"] == prompt.vision.image_mask + [0] * (len(ids) - len(prompt.input_ids))
+        assert all(m == 0 for m, im in zip(stored["loss_mask"], stored["image_mask"], strict=True) if im)
+        assert [(im["sha256"], tuple(im["grid"]), im["start"], im["num_tokens"]) for im in stored["images"]] == \
+            [(im.sha256, im.grid, im.start, im.num_tokens) for im in prompt.vision.images]
+        hs, positions = oracle(t, prompt, ids)
+        if positions is not None:
+            assert stored["mrope_positions"] == positions[:, 0].reshape(-1).tolist()
+            assert stored["rope_delta"] == int(positions.max()) + 1 - len(ids)
+        else:
+            assert stored["mrope_positions"] is None and stored["rope_delta"] is None
+        sample = next(s for s in ds if s.sample_id == f"r{i}")
+        n = len(ids) if mode == "prefill" else len(ids) - 1
+        for name, b in (("b0", 0), ("b2", 2), ("final", len(hs) - 1)):
+            want = hs[b][0, :n]
+            err = (sample.hidden(name).float() - want).abs().max().item() / want.abs().max().item()
+            assert err < TOL, (f"r{i}", name, err)
+            checked += n
+    assert checked > 0
+    from typer.testing import CliRunner
+
+    from hsx.cli import app
+
+    result = CliRunner().invoke(app, ["verify", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(app, ["verify", "--recompute", str(tmp_path / "out")])
+    assert isinstance(result.exception, HsxError)  # hsx.cli.main turns it into "error: ..." and exit code 2
+    assert f"vision-language target ({t.family}); --recompute does not re-read images yet" in str(result.exception)
+    with pytest.raises(HsxError, match="the output holds no pixels"):
+        Renderer(t.tok, "prefill", vision=(t.spec, t.processor)).detect(ds_columns(tmp_path / "out"))
+
+
+def ds_columns(out):
+    from hsx.data.load import load_rows
+
+    return load_rows(str(out)).column_names
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_server_engines_refuse_a_vision_language_target_before_loading(target, tmp_path, engine):
+    from hsx.config import ExtractConfig
+    from hsx.engine.contract import load_configs
+
+    cfg = ExtractConfig(model=str(target.path), dataset="unused.jsonl", output=str(tmp_path / "out"), engine=engine)
+    with pytest.raises(HsxError, match=f"is a vision-language model \\({target.family}\\); the {engine} engine does "
+                                       "not run vision-language targets in hsx: use --engine hf"):
+        load_configs(cfg)
+
+
+def test_a_draft_on_a_vision_language_target_is_refused_before_it_loads(target, tmp_path):
+    from hsx.config import ExtractConfig
+    from hsx.engine.hf.runner import HFRunner
+
+    cfg = ExtractConfig(model=str(target.path), dataset="unused.jsonl", output=str(tmp_path / "out"),
+                        draft_model=str(target.path))
+    with pytest.raises(HsxError, match=f"vision-language target \\({target.family}\\): speculative decoding"):
+        HFRunner(cfg)
+
+
+def test_dry_run_expands_images_as_the_run_does(target, images, tmp_path):
+    import json
+
+    from hsx.config import ExtractConfig
+    from hsx.run.estimate import estimate
+
+    t = target
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows(images)))
+    est = estimate(ExtractConfig(model=str(t.path), dataset=str(path), output=str(tmp_path / "out"), mode="prefill",
+                                 layers="final"))
+    renderer = Renderer(t.tok, "prefill", vision=(t.spec, t.processor))
+    assert est.samples == 3 and not est.errors
+    assert est.tokens == sum(len(renderer.render(r, i).input_ids) for i, r in enumerate(rows(images)))

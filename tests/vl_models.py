@@ -1,0 +1,112 @@
+"""Tiny random vision-language targets built from transformers' config classes, saved with the demo
+tokenizer (plus the family's image tokens and a chat template that writes them) and the family's PIL
+image processor; images drawn locally. Nothing is downloaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hsx.demo.tokenizer import build_demo_tokenizer
+
+QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+LLAVA_IMAGE = "<image>\n"
+VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>", "<image>"]
+
+# The demo template, with content given as a string or as a list of text and image parts.
+TEMPLATE = r"""{%- macro render(content) -%}
+{%- if content is string -%}{{ content }}{%- else -%}
+{%- for part in content -%}{%- if part['type'] == 'image' -%}IMAGE{%- else -%}{{ part['text'] }}{%- endif -%}{%- endfor -%}
+{%- endif -%}
+{%- endmacro -%}
+{{- bos_token }}
+{%- for message in messages %}
+{{- '<|' + message['role'] + '|>\n' }}
+{%- if message['role'] == 'assistant' %}
+{%- generation %}{{ render(message['content']) + '<|end|>' }}{% endgeneration %}
+{%- else %}
+{{- render(message['content']) + '<|end|>' }}
+{%- endif %}
+{{- '\n' }}
+{%- endfor %}
+{%- if add_generation_prompt %}
+{{- '<|assistant|>\n' }}
+{%- endif %}"""
+
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "llava")
+
+
+def vl_tokenizer(image_text: str):
+    tok = build_demo_tokenizer(vocab_size=512)
+    tok.add_tokens(VISION_TOKENS, special_tokens=True)
+    tok.chat_template = TEMPLATE.replace("IMAGE", image_text.replace("\n", "\\n"))
+    return tok
+
+
+def build_vl(family: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """Save a tiny random ``family`` target (model, tokenizer, image processor) under ``out_dir``."""
+    from transformers import AutoModelForImageTextToText
+
+    out = Path(out_dir)
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=1024, initializer_range=0.1)
+    if family == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLConfig
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        tok = vl_tokenizer(QWEN_IMAGE)
+        ids = tok.convert_tokens_to_ids(VISION_TOKENS)
+        config = Qwen2_5_VLConfig(
+            text_config=dict(vocab_size=len(tok), rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                                    "rope_theta": 10000.0}, **text),
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                               patch_size=14, spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[1],
+                               window_size=56),
+            vision_start_token_id=ids[0], image_token_id=ids[1], vision_end_token_id=ids[2], video_token_id=ids[3])
+        processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 2, max_pixels=28 * 28 * 24, patch_size=14,
+                                             merge_size=2, temporal_patch_size=2)
+    elif family == "qwen2_vl":
+        from transformers import Qwen2VLConfig
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        tok = vl_tokenizer(QWEN_IMAGE)
+        ids = tok.convert_tokens_to_ids(VISION_TOKENS)
+        config = Qwen2VLConfig(
+            text_config=dict(vocab_size=len(tok), rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
+                                                                    "rope_theta": 10000.0}, **text),
+            vision_config=dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2, patch_size=14,
+                               spatial_merge_size=2, temporal_patch_size=2),
+            vision_start_token_id=ids[0], image_token_id=ids[1], vision_end_token_id=ids[2], video_token_id=ids[3])
+        processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 2, max_pixels=28 * 28 * 24, patch_size=14,
+                                             merge_size=2, temporal_patch_size=2)
+    elif family == "llava":
+        from transformers import LlavaConfig
+        from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+
+        tok = vl_tokenizer(LLAVA_IMAGE)
+        config = LlavaConfig(
+            text_config=dict(model_type="llama", vocab_size=len(tok), **text),
+            vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=2, image_size=42, patch_size=14, projection_dim=32),
+            image_token_index=tok.convert_tokens_to_ids("<image>"), vision_feature_select_strategy="default",
+            vision_feature_layer=-1, projector_hidden_act="gelu")
+        processor = CLIPImageProcessorPil(size={"shortest_edge": 42}, crop_size={"height": 42, "width": 42})
+    else:
+        raise ValueError(family)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config).eval()
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    processor.save_pretrained(out)
+    return out
+
+
+def draw(path: str | Path, width: int, height: int, seed: int) -> str:
+    """A random RGB image of ``width x height`` saved as PNG."""
+    from PIL import Image
+
+    pixels = (np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8")
+    Image.fromarray(pixels).save(path)
+    return str(path)

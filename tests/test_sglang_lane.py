@@ -254,3 +254,50 @@ def test_one_head_config_names_the_same_boundaries_on_sglang_and_the_transformer
                 assert err < 1e-4, (name, s.sample_id, column, err)
     for s in outs["sglang"]:  # the converted head drafts as the original: the same accept lengths
         assert outs["sglang-vllm-head"][s.sample_id].accept_lens.tolist() == s.accept_lens.tolist(), s.sample_id
+
+
+# ---- the 2026 families on SGLang: every stored row against a teacher-forced forward ----------------------------
+
+# The families SGLang 0.5.23 runs on this CPU lane (docs/SGLANG.md lists the others and the error each gave), with
+# the columns it can capture: boundaries through its aux capture where the model class has it, else final only.
+# Boundary 0 is reachable only under DeepSeek's id rule (docs/MODELS.md).
+SGLANG_FAMILIES = {
+    "glm4_moe": "final,b1,b3",
+}
+FAMILY_ARGS = ["--device", "cpu", "--model-dtype", "float32", "--dtype", "float32", "--attention-backend",
+               "torch_native", "--engine-arg", "sampling_backend=pytorch", "--engine-arg", "disable_cuda_graph=true",
+               "--engine-arg", "mem_fraction_static=0.05", "--engine-arg", "max_total_tokens=16384", "--engine-arg",
+               "context_length=512", "--engine-arg", "sleep_on_idle=true", "--batch-size", "3", "--id-field", "id"]
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import lane_families
+
+    root = tmp_path_factory.mktemp("sglang-families")
+    return lane_families, {f: lane_families.build_in_hsx_venv(f, root / f, "sglang") for f in SGLANG_FAMILIES}
+
+
+@pytest.mark.parametrize("mode", ["prefill", "generate"])
+@pytest.mark.parametrize("family", sorted(SGLANG_FAMILIES))
+def test_family_rows_equal_a_teacher_forced_forward(family, mode, family_models, tmp_path):
+    """``hsx extract --engine sglang`` on the family's tiny model (tests/families.py, the demo tokenizer, three
+    prompts of 4-31 tokens, 10 new tokens in generate mode); ``hsx verify --recompute`` in hsx's own virtualenv
+    finds every row of every column equal to its teacher-forced forward, each completion token is that forward's
+    argmax, and a copy with one sample's rows moved by one position is caught (tests/lane_families.py)."""
+    import sys
+
+    lane_families, models = family_models
+    model, out = models[family], tmp_path / "out"
+    lane_env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = ["--mode", mode] + (["--max-new-tokens", "10"] if mode == "generate" else [])
+    _hsx(sys.executable, ["extract", "--engine", "sglang", "--model", str(model), "--dataset",
+                          str(model / "data.jsonl"), "-o", str(out), "--layers", SGLANG_FAMILIES[family], "--quiet",
+                          *run, *FAMILY_ARGS], {**lane_env, "HSX_LANE_FORBID_LISTS": "1"})
+    report = lane_families.check_in_hsx_venv(out, mode)
+    print(f"[sglang {family} {mode}] {report['rows']} rows x {len(report['columns'])} columns, worst "
+          f"{report['worst']:.2g} of the largest reference value, {report['greedy_tokens']} greedy tokens")

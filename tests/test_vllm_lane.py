@@ -248,3 +248,46 @@ def test_capture_work_per_step_does_not_grow_with_the_batch(models):
     assert copies[1] > 0
     assert most[8] <= most[1] and most[64] <= most[1], most
     assert copies[8] <= copies[1] and copies[64] <= copies[1], copies
+
+
+# ---- the 2026 families on vLLM: every stored row against a teacher-forced forward ------------------------------
+
+# The families vLLM 0.32 runs on this CPU lane (docs/MODELS.md lists the others and the error each gave): the
+# columns it can capture (boundaries where the model class has vLLM's EAGLE3 interface, else final only) and the
+# recompute's relative limit (None: its float32 default). DeepSeek-V3's MLA rows on vLLM drift with depth to
+# 2.1e-5 of the largest reference value (one final row measured 2.06e-5 against the default 2.01e-5).
+VLLM_FAMILIES = {
+    "glm4_moe": ("final", None),
+    "falcon_h1": ("final", None),
+    "gemma4": ("final,b1,b3", None),
+    "deepseek_v3": ("final,b1,b3", 5e-5),
+}
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    sys.path.insert(0, str(ROOT / "tests"))
+    import lane_families
+
+    root = tmp_path_factory.mktemp("vllm-families")
+    return lane_families, {f: lane_families.build_in_hsx_venv(f, root / f, "vllm") for f in VLLM_FAMILIES}
+
+
+@pytest.mark.parametrize("mode", ["prefill", "generate"])
+@pytest.mark.parametrize("family", sorted(VLLM_FAMILIES))
+def test_family_rows_equal_a_teacher_forced_forward(family, mode, family_models, tmp_path):
+    """``hsx extract --engine vllm`` on the family's tiny model (tests/families.py, the demo tokenizer, three
+    prompts of 4-31 tokens, 10 new tokens in generate mode); ``hsx verify --recompute`` in hsx's own virtualenv
+    finds every row of every column equal to its teacher-forced forward, each completion token is that forward's
+    argmax, and a copy with one sample's rows moved by one position is caught (tests/lane_families.py)."""
+    lane_families, models = family_models
+    model, out = models[family], tmp_path / "out"
+    run = ["--mode", mode] + (["--max-new-tokens", "10"] if mode == "generate" else [])
+    done = CliRunner().invoke(app, [
+        "extract", "--engine", "vllm", "--model", str(model), "--dataset", str(model / "data.jsonl"), "-o", str(out),
+        "--id-field", "id", "--device", "cpu", "--model-dtype", "float32", "--dtype", "float32", "--layers",
+        VLLM_FAMILIES[family][0], "--batch-size", "3", "--quiet", *run])
+    assert done.exit_code == 0, done.output
+    report = lane_families.check_in_hsx_venv(out, mode, VLLM_FAMILIES[family][1])
+    print(f"[vllm {family} {mode}] {report['rows']} rows x {len(report['columns'])} columns, worst "
+          f"{report['worst']:.2g} of the largest reference value, {report['greedy_tokens']} greedy tokens")

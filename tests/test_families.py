@@ -425,3 +425,29 @@ def test_hsx_extract_tree_decoding_past_the_window(family, tmp_path):
     accepts = torch.cat([s.accept_lens for s in ds]).long()
     assert bool((accepts == 1).any()) and bool((accepts > 1).any()), accepts
     assert checked > 0
+
+
+# ---- EAGLE3 heads on every attention family ----------------------------------------------------
+# (the recurrent families and DeepSeek-V4 have theirs in tests/test_recurrent.py and tests/test_compressed.py)
+
+def _random_head(model, seed: int = 0):
+    from hsx.heads.load import Eagle3Head
+
+    hidden = model.config.hidden_size
+    config = {"hidden_size": hidden, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 2 * hidden,
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Eagle3Head(config, model.get_input_embeddings(), VOCAB).float().eval()
+
+
+@pytest.mark.parametrize("family,mode", [(f, m) for f in ALL if f not in STATEFUL for m in ("chain", "tree")])
+def test_an_eagle3_head_drafts_for_every_attention_family(family, mode):
+    model = cached(family)
+    eng = HFEngine(model, groups_for(model), draft_model=_random_head(model), spec=SPECS[mode],
+                   store_dtype=torch.float32)
+    reqs = prompts((5, 11, 2), seed=9)
+    samples = eng.generate(reqs, SamplingSettings(max_new_tokens=8))
+    for sample, (rid, _) in zip(samples, reqs):
+        check_oracle(model, sample, eng.groups, teacher_forced=False, name=rid, rel=rel_tol(family, REL_TOL))
+    assert all(int(s.accept_lens.numel()) > 0 for s in samples)

@@ -110,3 +110,26 @@ def draw(path: str | Path, width: int, height: int, seed: int) -> str:
     pixels = (np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8")
     Image.fromarray(pixels).save(path)
     return str(path)
+
+
+def oracle(t, prompt, ids: torch.Tensor) -> tuple[tuple, torch.Tensor | None]:
+    """One unbatched teacher-forced forward of the target ``t`` over ``ids`` with the pixels of ``prompt`` (a
+    :class:`hsx.data.render.VisionPrompt`); the model places the
+    image features and (Qwen) computes its own mRoPE positions from the token types."""
+    extra = {}
+    v = prompt.vision
+    if v.images:
+        extra["pixel_values"] = v.pixel_values
+        if v.image_grid_thw is not None:
+            extra["image_grid_thw"] = v.image_grid_thw
+    positions = None
+    if t.spec.mrope:
+        extra["mm_token_type_ids"] = (ids == t.spec.image_token_id).int()[None]
+        positions, _ = t.model.model.get_rope_index(ids[None], extra["mm_token_type_ids"],
+                                                    image_grid_thw=extra.get("image_grid_thw"))
+        t.model.model.rope_deltas = None
+    with torch.inference_mode():
+        out = t.model(input_ids=ids[None], output_hidden_states=True, **extra)
+    if t.spec.mrope:
+        t.model.model.rope_deltas = None  # the model caches it between calls
+    return out.hidden_states, positions

@@ -53,7 +53,8 @@ def rows(images: dict) -> list[dict]:
     ]
 
 
-@pytest.fixture(scope="module", params=[("qwen2_5_vl", "generate"), ("qwen2_5_vl", "prefill"), ("llava", "generate")],
+@pytest.fixture(scope="module", params=[("qwen2_5_vl", "generate"), ("qwen2_5_vl", "prefill"), ("llava", "generate"),
+                                        ("qwen3_vl", "generate")],
                 ids=lambda p: "-".join(p))
 def clean(request, tmp_path_factory):
     """A clean output of the family in the mode; the images it read live in its own folder."""

@@ -11,7 +11,8 @@ The forward is the model's own: ``input_ids`` with the pixels (and ``image_grid_
 no position ids. On mRoPE models it is given the image-token types of the stored blocks, from which
 the model computes its 3-D positions itself; the stored ``mrope_positions`` and ``rope_delta`` are
 checked against the model's ``get_rope_index`` over the whole sequence (a ``positions`` finding).
-Boundary 0 is ``hidden_states[0]``, the merged text and vision embeddings.
+Boundary 0 is ``hidden_states[0]``, the merged text and vision embeddings. On deepstack models
+(Qwen3-VL) boundaries 1..L-1 are the blocks' inputs, after the deepstack add, as hsx stores them.
 """
 
 from __future__ import annotations
@@ -88,6 +89,28 @@ class VisionReference(Reference):
             if self.spec.mrope:
                 self.model.model.rope_deltas = None  # the model keeps the last batch's deltas between calls
         return states, findings
+
+    def _forward(self, sources, **inputs) -> dict:
+        """The states of ``sources``; on deepstack models boundaries 1..L-1 are what each block receives (after
+        the vision features are added), taken by pre-hooks: transformers' ``hidden_states[b]`` is before the add."""
+        if not self.spec.deepstack:
+            return super()._forward(sources, **inputs)
+        blocks = self.decoder.language_model.layers
+        inner = [s for s in dict.fromkeys(sources) if isinstance(s, int) and 0 < s < self.shape.num_layers]
+        received: dict = {}
+
+        def keep(b):
+            def hook(module, args):  # returns None: the block's input is left as it is
+                received[b] = args[0]
+            return hook
+
+        handles = [blocks[b].register_forward_pre_hook(keep(b)) for b in inner]
+        try:
+            states = super()._forward(sources, **inputs)
+        finally:
+            for h in handles:
+                h.remove()
+        return {**states, **{b: received[b].float() for b in inner}}
 
     def chunks(self, input_ids, sources, size):
         raise HsxError("a vision-language output is recomputed one whole sample per forward (its images go in "

@@ -211,6 +211,10 @@ def test_untested_deepstack_families_are_refused():
 
     with pytest.raises(HsxError, match="'qwen3_vl_moe': Qwen3-VL-MoE .* is not tested on hsx's vision path"):
         VisionSpec.of(Qwen3VLMoeConfig(), None, None)
+    from transformers import Gemma3Config
+
+    with pytest.raises(HsxError, match="'gemma3': Gemma 3 attends both ways inside each image block"):
+        VisionSpec.of(Gemma3Config(), None, None)
 
 
 @pytest.mark.parametrize("mode", ["prefill", "generate"])

@@ -42,6 +42,8 @@ REFUSED = {
     "qwen3_vl_moe": "Qwen3-VL-MoE (deepstack with MoE blocks) is not tested on hsx's vision path",
     "qwen3_5": "Qwen3.5 (deepstack with linear-attention blocks) is not tested on hsx's vision path",
     "qwen3_5_moe": "Qwen3.5 (deepstack with linear-attention blocks) is not tested on hsx's vision path",
+    "gemma3": "Gemma 3 attends both ways inside each image block (token_type_ids) and its processor frames each "
+              "image with text of its own; hsx runs neither yet",
 }
 
 

@@ -193,3 +193,26 @@ def test_an_explicit_chunk_is_refused(clean):
     result = runner.invoke(app, ["verify", str(clean.out), "--recompute", "--recompute-chunk", "8"])
     assert isinstance(result.exception, HsxError)
     assert "recomputed one whole sample per forward" in str(result.exception)
+
+
+def test_check_samples_takes_an_engines_samples_in_memory(clean):
+    """``check_samples`` with a reference around the model in memory, on the engine's own samples (no shards)."""
+    from hsx.align import ModelShape, parse_layers
+    from hsx.engine.hf.vision import VisionEngine
+    from hsx.recompute import check_samples, tolerance_for
+    from hsx.recompute.images import VisionReference
+
+    t = clean.target
+    groups = parse_layers("0,1,final", ModelShape.from_config(t.model.config.get_text_config()), None)
+    prompts = [Renderer(t.tok, "prefill", vision=(t.spec, t.processor)).render(r, i)
+               for i, r in enumerate(rows(clean.images))]
+    samples = [vs.sample for vs in VisionEngine(t.model, groups, t.spec, store_dtype=torch.float32).prefill(prompts)]
+    ref = VisionReference.around(t.model, t.spec, t.processor)
+    tol = tolerance_for("float32", "float32", "float32")
+    results = check_samples(ref, samples, groups, tol, "prefill")
+    assert [r.verdict for r in results] == ["ok"] * 3 and sum(r.rows for r in results) == sum(
+        len(p.input_ids) for p in prompts)
+    shifted = samples[2].hidden["b1"].clone()
+    samples[2].hidden["b1"] = torch.cat([shifted[:1], shifted[:-1]])
+    results = check_samples(ref, samples, groups, tol, "prefill")
+    assert [r.verdict for r in results] == ["ok", "ok", "misaligned"]

@@ -128,7 +128,7 @@ def rewrite(src: Path, dst: Path, edit, **sink_kwargs) -> Path:
         edit(k, s, hidden)
         accept = s.accept_lens
         sink.add(Record(s.sample_id, s.source_index, s.input_ids.long(), s.prompt_len, s.loss_mask, s.finish_reason,
-                        hidden, None if accept is None else accept.clone(), s.verify_steps))
+                        hidden, None if accept is None else accept.clone(), s.verify_steps, vision=s.vision))
     sink.close()
     return dst
 

@@ -12,11 +12,11 @@ import torch
 
 from hsx.align import ModelShape, parse_layers
 from hsx.data.images import VisionSpec, image_hash
-from hsx.data.render import Renderer, VisionPrompt
+from hsx.data.render import Renderer
 from hsx.engine.hf.engine import SamplingSettings
 from hsx.engine.hf.vision import VisionEngine, load_vision_target
 from hsx.errors import HsxError, SampleError
-from vl_models import FAMILIES, LLAVA_IMAGE, QWEN_IMAGE, build_vl, draw
+from vl_models import FAMILIES, LLAVA_IMAGE, QWEN_IMAGE, build_vl, draw, oracle
 
 # fp32, batched vs unbatched, relative to the largest reference value: correct rows measured up to 6.5e-7;
 # rows run at 1-D instead of mRoPE positions are off by up to 0.27
@@ -50,28 +50,6 @@ def rows(images):
                                                    {"type": "image", "image": images["c"]}]},
                       {"role": "assistant", "content": "two of them"}]},
     ]
-
-
-def oracle(t, prompt: VisionPrompt, ids: torch.Tensor) -> tuple[tuple, torch.Tensor | None]:
-    """One unbatched teacher-forced forward over ``ids`` with the sample's pixels; the model places the
-    image features and (Qwen) computes its own mRoPE positions from the token types."""
-    extra = {}
-    v = prompt.vision
-    if v.images:
-        extra["pixel_values"] = v.pixel_values
-        if v.image_grid_thw is not None:
-            extra["image_grid_thw"] = v.image_grid_thw
-    positions = None
-    if t.spec.mrope:
-        extra["mm_token_type_ids"] = (ids == t.spec.image_token_id).int()[None]
-        positions, _ = t.model.model.get_rope_index(ids[None], extra["mm_token_type_ids"],
-                                                    image_grid_thw=extra.get("image_grid_thw"))
-        t.model.model.rope_deltas = None
-    with torch.inference_mode():
-        out = t.model(input_ids=ids[None], output_hidden_states=True, **extra)
-    if t.spec.mrope:
-        t.model.model.rope_deltas = None  # the model caches it between calls
-    return out.hidden_states, positions
 
 
 def check_rows(t, prompt, vs, groups, mode: str):
@@ -146,10 +124,11 @@ def test_image_tokens_and_grids_are_the_processors(target, images):
             assert prompt.input_ids == want["input_ids"][0].tolist()
             assert torch.equal(prompt.vision.pixel_values, want["pixel_values"])
         else:
-            from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor
+            from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
 
             # the processor class cannot be built without torchvision (its video half); its rule runs on its own
-            processor_class = Qwen2VLProcessor if t.family == "qwen2_vl" else Qwen2_5_VLProcessor
+            processor_class = {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor,
+                               "qwen3_vl": Qwen3VLProcessor}[t.family]
             pixels = t.processor(images=pil, return_tensors="pt")
             rule = SimpleNamespace(image_processor=t.processor, image_token="<|image_pad|>")
             parts = text.split("<|image_pad|>")
@@ -227,11 +206,15 @@ def test_what_is_not_run_is_refused_before_the_first_forward(target):
         VisionEngine(t.model, groups_of(t), t.spec, draft_model=t.model)
 
 
-def test_deepstack_families_are_refused():
-    from transformers import Qwen3VLConfig
+def test_untested_deepstack_families_are_refused():
+    from transformers import Qwen3VLMoeConfig
 
-    with pytest.raises(HsxError, match="'qwen3_vl': Qwen3-VL adds deepstack vision features"):
-        VisionSpec.of(Qwen3VLConfig(), None, None)
+    with pytest.raises(HsxError, match="'qwen3_vl_moe': Qwen3-VL-MoE .* is not tested on hsx's vision path"):
+        VisionSpec.of(Qwen3VLMoeConfig(), None, None)
+    from transformers import Gemma3Config
+
+    with pytest.raises(HsxError, match="'gemma3': Gemma 3 attends both ways inside each image block"):
+        VisionSpec.of(Gemma3Config(), None, None)
 
 
 @pytest.mark.parametrize("mode", ["prefill", "generate"])
@@ -296,8 +279,7 @@ def test_extract_stores_image_columns_and_rows_that_match_the_oracle(target, ima
     result = CliRunner().invoke(app, ["verify", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
     result = CliRunner().invoke(app, ["verify", "--recompute", str(tmp_path / "out")])
-    assert isinstance(result.exception, HsxError)  # hsx.cli.main turns it into "error: ..." and exit code 2
-    assert f"vision-language target ({t.family}); --recompute does not re-read images yet" in str(result.exception)
+    assert result.exit_code == 0, result.output  # the images re-read by path (tests/test_recompute_vision.py)
     with pytest.raises(HsxError, match="the output holds no pixels"):
         Renderer(t.tok, "prefill", vision=(t.spec, t.processor)).detect(ds_columns(tmp_path / "out"))
 
@@ -343,3 +325,50 @@ def test_dry_run_expands_images_as_the_run_does(target, images, tmp_path):
     renderer = Renderer(t.tok, "prefill", vision=(t.spec, t.processor))
     assert est.samples == 3 and not est.errors
     assert est.tokens == sum(len(renderer.render(r, i).input_ids) for i, r in enumerate(rows(images)))
+
+
+def test_deepstack_boundaries_are_what_the_next_block_receives(images, tmp_path):
+    """Qwen3-VL adds deepstack vision features at image tokens to the outputs of its first blocks: hsx stores
+    boundary b as block b's input (after the add), checked against this test's own hooks; transformers'
+    ``hidden_states[b]`` (before the add) differs there and only there."""
+    torch.set_num_threads(1)
+    path = build_vl("qwen3_vl", tmp_path / "qwen3_vl")
+    model, tok, processor, spec = load_vision_target(str(path), torch.float32)
+    t = SimpleNamespace(family="qwen3_vl", path=path, model=model, tok=tok, processor=processor, spec=spec)
+    assert spec.deepstack == 2  # the tiny tower's deepstack layers [0, 1]: added after blocks 0 and 1
+    groups = parse_layers("0,1,2,final", ModelShape.from_config(model.config.get_text_config()), None)
+    engine = VisionEngine(model, groups, spec, store_dtype=torch.float32)
+    prompts = [Renderer(tok, "prefill", vision=(spec, processor)).render(r, i) for i, r in enumerate(rows(images))]
+    hooked = {}
+    blocks = model.model.language_model.layers
+    for p, vs in zip(prompts, engine.prefill(prompts), strict=True):
+        ids = vs.sample.input_ids
+        extra = {"mm_token_type_ids": (ids == spec.image_token_id).int()[None]}
+        if p.vision.images:
+            extra.update(pixel_values=p.vision.pixel_values, image_grid_thw=p.vision.image_grid_thw)
+        handles = [blocks[b].register_forward_pre_hook(lambda m, args, b=b: hooked.__setitem__(b, args[0][0].clone()))
+                   for b in range(len(blocks))]
+        with torch.inference_mode():
+            plain = model(input_ids=ids[None], output_hidden_states=True, **extra).hidden_states  # before the add
+        for h in handles:
+            h.remove()
+        model.model.rope_deltas = None
+        image = torch.tensor(p.vision.image_mask, dtype=torch.bool)
+        for b in (1, 2):  # blocks 1 and 2 of 3 receive the outputs of blocks 0 and 1 with the features added
+            got = vs.sample.hidden[f"b{b}"].float()
+            want = hooked[b]
+            scale = want.abs().max()
+            assert (got - want).abs().max() <= TOL * scale, (p.sample_id, b)
+            before = (got - plain[b][0]).abs().amax(-1) / scale  # [N] against transformers' hidden_states[b]
+            assert before[~image].max() <= TOL, (p.sample_id, b)
+            if image.any() and b <= spec.deepstack:
+                assert before[image].min() > 1e-3, (p.sample_id, b, before[image].min())
+            else:
+                assert before.max() <= TOL, (p.sample_id, b)
+    from hsx.config import ExtractConfig
+    from hsx.engine.hf.runner import HFRunner
+
+    runner = HFRunner(ExtractConfig(model=str(path), dataset="unused.jsonl", output=str(tmp_path / "out"),
+                                    model_dtype="float32"))
+    record = runner.describe_vision()
+    assert record["deepstack"]["blocks"] == 2 and record["deepstack"]["side"].startswith("after the add")

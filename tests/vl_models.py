@@ -35,7 +35,7 @@ TEMPLATE = r"""{%- macro render(content) -%}
 {{- '<|assistant|>\n' }}
 {%- endif %}"""
 
-FAMILIES = ("qwen2_5_vl", "qwen2_vl", "llava")
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "llava")
 
 
 def vl_tokenizer(image_text: str):
@@ -81,6 +81,22 @@ def build_vl(family: str, out_dir: str | Path, seed: int = 0) -> Path:
             vision_start_token_id=ids[0], image_token_id=ids[1], vision_end_token_id=ids[2], video_token_id=ids[3])
         processor = Qwen2VLImageProcessorPil(min_pixels=28 * 28 * 2, max_pixels=28 * 28 * 24, patch_size=14,
                                              merge_size=2, temporal_patch_size=2)
+    elif family == "qwen3_vl":  # deepstack: vision features of blocks 0 and 1 of the tower added after blocks 0, 1
+        from transformers import Qwen3VLConfig
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        tok = vl_tokenizer(QWEN_IMAGE)
+        ids = tok.convert_tokens_to_ids(VISION_TOKENS)
+        config = Qwen3VLConfig(
+            text_config=dict(vocab_size=len(tok), head_dim=16, rope_parameters={
+                "rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True, "rope_theta": 10000.0},
+                **text),
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                               patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                               deepstack_visual_indexes=[0, 1]),
+            vision_start_token_id=ids[0], image_token_id=ids[1], vision_end_token_id=ids[2], video_token_id=ids[3])
+        processor = Qwen2VLImageProcessorPil(min_pixels=32 * 32 * 2, max_pixels=32 * 32 * 24, patch_size=16,
+                                             merge_size=2, temporal_patch_size=2)
     elif family == "llava":
         from transformers import LlavaConfig
         from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
@@ -110,3 +126,36 @@ def draw(path: str | Path, width: int, height: int, seed: int) -> str:
     pixels = (np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8")
     Image.fromarray(pixels).save(path)
     return str(path)
+
+
+def oracle(t, prompt, ids: torch.Tensor) -> tuple[tuple, torch.Tensor | None]:
+    """One unbatched teacher-forced forward of the target ``t`` over ``ids`` with the pixels of ``prompt`` (a
+    :class:`hsx.data.render.VisionPrompt`); the model places the
+    image features and (Qwen) computes its own mRoPE positions from the token types. On deepstack models
+    boundary b in 1..L-1 is block b's input, taken by hooks of this function's own."""
+    extra = {}
+    v = prompt.vision
+    if v.images:
+        extra["pixel_values"] = v.pixel_values
+        if v.image_grid_thw is not None:
+            extra["image_grid_thw"] = v.image_grid_thw
+    positions = None
+    if t.spec.mrope:
+        extra["mm_token_type_ids"] = (ids == t.spec.image_token_id).int()[None]
+        positions, _ = t.model.model.get_rope_index(ids[None], extra["mm_token_type_ids"],
+                                                    image_grid_thw=extra.get("image_grid_thw"))
+        t.model.model.rope_deltas = None
+    received = {}  # deepstack models: what each block receives, its own hooks (hidden_states are before the add)
+    blocks = t.model.model.language_model.layers
+    hooks = [blocks[b].register_forward_pre_hook(lambda m, args, b=b: received.__setitem__(b, args[0].clone()))
+             for b in range(1, len(blocks))] if t.spec.deepstack else []
+    try:
+        with torch.inference_mode():
+            out = t.model(input_ids=ids[None], output_hidden_states=True, **extra)
+    finally:
+        for h in hooks:
+            h.remove()
+    if t.spec.mrope:
+        t.model.model.rope_deltas = None  # the model caches it between calls
+    hs = tuple(received.get(b, h) for b, h in enumerate(out.hidden_states))
+    return hs, positions

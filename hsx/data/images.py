@@ -11,7 +11,7 @@ Where an image comes from
 
 What the model sees
     The chat template writes one placeholder token per image part (``<|image_pad|>`` inside
-    ``<|vision_start|> ... <|vision_end|>`` for Qwen2/2.5-VL, ``<image>`` for LLaVA); each
+    ``<|vision_start|> ... <|vision_end|>`` for Qwen2/2.5/3-VL, ``<image>`` for LLaVA); each
     placeholder is expanded to the number of tokens the model's vision tower produces for that
     image, as the model's processor does (:class:`VisionSpec`). The expanded ids are the sample's
     ids: they are what the model runs over and what the rows align to.
@@ -33,14 +33,17 @@ from hsx.errors import HsxError, SampleError
 IMAGE_PARTS = ("image", "image_url", "input_image")
 IMAGE_COLUMNS = ("images", "image")  # where a part without a value takes its image from, in this order
 # Families whose placeholders hsx expands (model_type -> how the processor counts an image's tokens).
-MERGED_GRID = ("qwen2_vl", "qwen2_5_vl")  # tokens = t * h * w // merge_size ** 2 of image_grid_thw
+MERGED_GRID = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # tokens = t * h * w // merge_size ** 2 of image_grid_thw
+# Families that add vision features (deepstack) to the hidden states at image tokens after their first blocks.
+DEEPSTACK = ("qwen3_vl",)
 PATCHES = ("llava",)  # tokens = (H // patch) * (W // patch) (+1 with the CLS feature kept)
 # Vision-language families hsx refuses, with the reason.
 REFUSED = {
-    "qwen3_vl": "Qwen3-VL adds deepstack vision features inside its first blocks",
-    "qwen3_vl_moe": "Qwen3-VL adds deepstack vision features inside its first blocks",
-    "qwen3_5": "Qwen3.5 adds deepstack vision features inside its first blocks",
-    "qwen3_5_moe": "Qwen3.5 adds deepstack vision features inside its first blocks",
+    "qwen3_vl_moe": "Qwen3-VL-MoE (deepstack with MoE blocks) is not tested on hsx's vision path",
+    "qwen3_5": "Qwen3.5 (deepstack with linear-attention blocks) is not tested on hsx's vision path",
+    "qwen3_5_moe": "Qwen3.5 (deepstack with linear-attention blocks) is not tested on hsx's vision path",
+    "gemma3": "Gemma 3 attends both ways inside each image block (token_type_ids) and its processor frames each "
+              "image with text of its own; hsx runs neither yet",
 }
 
 
@@ -166,6 +169,7 @@ class VisionSpec:
     merge_size: int = 1  # grid models: patches merged into one token along each side
     patch_size: int = 1  # patch models: pixels per patch side
     keeps_cls: bool = False  # patch models: the CLS feature is one more token ("full" feature strategy)
+    deepstack: int = 0  # deepstack models: blocks 0..deepstack-1 each have vision features added to their output
 
     @property
     def mrope(self) -> bool:
@@ -182,7 +186,8 @@ class VisionSpec:
         token_id = int(model_config.image_token_id)
         token = tokenizer.convert_ids_to_tokens(token_id)
         if kind in MERGED_GRID:
-            return VisionSpec(kind, token_id, token, merge_size=int(image_processor.merge_size))
+            deepstack = len(model_config.vision_config.deepstack_visual_indexes) if kind in DEEPSTACK else 0
+            return VisionSpec(kind, token_id, token, merge_size=int(image_processor.merge_size), deepstack=deepstack)
         strategy = model_config.vision_feature_select_strategy
         return VisionSpec(kind, token_id, token, patch_size=int(model_config.vision_config.patch_size),
                           keeps_cls=strategy == "full")

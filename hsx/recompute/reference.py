@@ -94,6 +94,12 @@ class Reference:
         self._check_ids(ids)
         return self._forward(sources, input_ids=ids.to(self.device), attention_mask=mask.to(self.device))
 
+    def sample_states(self, samples: Sequence, ids: Sequence[torch.Tensor], sources: Sequence[int | str],
+                      sample_ids: list[str]) -> tuple[dict, dict]:
+        """:meth:`states` of a batch of samples (their token ids ``ids``), and findings about their inputs by
+        batch index (none here; a vision-language reference checks the stored positions)."""
+        return self.states(ids, sources), {}
+
     def chunks(self, input_ids: torch.Tensor, sources: Sequence[int | str], size: int
                ) -> Iterator[tuple[int, int, dict]]:
         """One sequence ``input_ids [N]`` ``size`` tokens at a time: ``(start, stop, {source: [1, q, H]

@@ -13,7 +13,7 @@ from hsx.align import FINAL
 from hsx.compare.check import (BOUNDARY, KINDS, MISMATCH, NONFINITE, POSITION, REPEAT, SAMPLE, ZERO,
                                    SegmentCheck, Tolerance)
 
-MISALIGNED = {"position", "sample", "boundary", "zero", "repeat", "count"}
+MISALIGNED = {"position", "sample", "boundary", "zero", "repeat", "count", "positions"}
 
 
 def source_label(source: int | str, num_layers: int) -> str:
@@ -32,7 +32,8 @@ class Finding:
     first: int  # first and last position of the run
     last: int
     rows: int
-    kind: str  # one of compare.KINDS (not "ok"), or "count" for a wrong number of rows
+    kind: str  # one of compare.KINDS (not "ok"), "count" for a wrong number of rows, "positions" for stored
+    # mRoPE positions or rope_delta other than the model's rope index
     matched: str  # what the rows match instead, in words ("" when nothing)
     worst_rel: float
     message: str

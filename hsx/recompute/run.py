@@ -19,6 +19,7 @@ from hsx.align import LayerGroup
 from hsx.errors import HsxError
 from hsx.recompute import rows as R
 from hsx.recompute.chunked import check_in_chunks
+from hsx.recompute.images import VisionReference
 from hsx.compare.check import Tolerance, check_segment
 from hsx.recompute.reference import Reference, neighbour_sources, same_width
 from hsx.shards.format import config_matches
@@ -96,7 +97,7 @@ def check_samples(
         if g.width != sum(widths):
             raise HsxError(f"column {g.name!r} is {g.width} wide for sources {list(g.sources)}; the model's states "
                            f"are {' + '.join(map(str, widths))} wide")
-    chunk = resolve_chunk(chunk)
+    chunk = None if isinstance(ref, VisionReference) and chunk == "auto" else resolve_chunk(chunk)
     sizes = [chunk_for(chunk, R.token_ids(s).numel()) for s in samples]
     short = [k for k, size in enumerate(sizes) if size is None]
     results: list[SampleResult | None] = [None] * len(samples)
@@ -119,8 +120,10 @@ def _check_batch(ref: Reference, samples: Sequence, sample_ids: list[str], group
     n_tokens = torch.tensor([t.numel() for t in ids])
     length = int(n_tokens.max())
     wanted = [src for g in groups for src in (*g.sources, *neighbour_sources(g.sources, num_layers))]
-    states = ref.states(ids, wanted)
+    states, input_findings = ref.sample_states(samples, ids, wanted, sample_ids)
     results = [SampleResult(sid, 0) for sid in sample_ids]
+    for i, found in input_findings.items():
+        results[i].findings += found
     placed = [R.positions(s, mode) for s in samples]
     for i, s in enumerate(samples):
         got, want = R.num_rows(s, groups[0].name) if groups else 0, len(placed[i])
@@ -153,7 +156,7 @@ def _select(total: int, samples: int | None, seed: int) -> np.ndarray:
 
 
 def _load_reference(meta: dict, model: str | None, device: str, dtype: str, force: bool, trust_remote_code: bool,
-                    found=None):
+                    found=None, vision: bool = False):
     from transformers import AutoConfig
 
     from hsx.device import compute_dtype, resolve_device
@@ -171,7 +174,8 @@ def _load_reference(meta: dict, model: str | None, device: str, dtype: str, forc
                        f"(config_sha256 {recorded.get('config_sha256')!r} recorded for {recorded.get('path')!r}); "
                        "point --model at that model, or --force to compare anyway")
     dev = resolve_device(device)
-    ref = Reference.load(path, dev, compute_dtype(dtype, dev), trust_remote_code)
+    loader = VisionReference.load if vision else Reference.load  # vision: re-reads each sample's images
+    ref = loader(path, dev, compute_dtype(dtype, dev), trust_remote_code)
     for key, have in (("num_layers", ref.shape.num_layers), ("hidden_size", ref.shape.hidden_size)):
         if recorded.get(key) is not None and int(recorded[key]) != have:
             raise HsxError(f"model {path!r} has {key} {have}; the shards were made with {recorded[key]}")
@@ -207,11 +211,14 @@ def recompute(
     chunk = resolve_chunk(chunk)
     ds = open_shards(path)
     meta = ds.metadata
-    if meta.get("vision"):
-        raise HsxError(f"{path}: made from a vision-language target ({meta['vision'].get('model_type')}); --recompute "
-                       "does not re-read images yet (hsx verify without --recompute checks the shards)")
+    vision = bool(meta.get("vision"))
+    if vision and chunk is not None and chunk != "auto":
+        raise HsxError(f"--recompute-chunk {chunk}: a vision-language output is recomputed one whole sample per "
+                       "forward (its images go in whole); leave it at auto")
+    if vision:
+        chunk = None
     groups = [LayerGroup.from_description(g) for g in meta["layers"]]
-    model_path, ref = _load_reference(meta, model, device, dtype, force, trust_remote_code, ds.model_path())
+    model_path, ref = _load_reference(meta, model, device, dtype, force, trust_remote_code, ds.model_path(), vision)
     compute = str(ref.dtype).removeprefix("torch.")
     engine_dtype = (meta.get("engine") or {}).get("compute_dtype")
     tol = tolerance_for(meta["dtype"], engine_dtype, compute, rtol, recurrent=ref.recurrent)

@@ -245,13 +245,19 @@ _NOT_THE_MODEL = ("_name_or_path", "transformers_version", "dtype", "torch_dtype
                   "_attn_implementation_autoset", "attn_implementation", "_attn_implementation")
 
 
+def _model_keys(config: dict) -> dict:
+    """``config`` without the load keys, in its sub-configs too (a vision-language model's ``text_config`` and
+    ``vision_config`` take the load dtype when the weights load)."""
+    return {k: _model_keys(v) if isinstance(v, dict) else v for k, v in config.items() if k not in _NOT_THE_MODEL}
+
+
 def config_sha256(model_config) -> str:
     """``model.config_sha256``: the config's JSON without the keys that change with the checkout or the
     library (path, transformers version, load dtype, attention implementation), so shards made by
     different engines, hosts or transformers releases from the same model record the same hash."""
     import json
 
-    cfg = {k: v for k, v in model_config.to_dict().items() if k not in _NOT_THE_MODEL}
+    cfg = _model_keys(model_config.to_dict())
     return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

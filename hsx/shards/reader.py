@@ -52,6 +52,18 @@ class Sample:
         return self._shard.num_rows(self._row)
 
     @property
+    def vision(self) -> dict | None:
+        """A vision-language output's image columns of this sample (docs/FORMAT.md, "Images"), as a run
+        hands them to the writer: ``image_mask [N]`` uint8, ``images`` (a dict per image), ``mrope_positions``
+        ``[3 * N]`` int32 axis by axis (None without mRoPE) and ``rope_delta``; None for a text model's shards."""
+        if not self._shard.metadata.get("vision"):
+            return None
+        return {"image_mask": self._shard.int_list("image_mask", self._row),
+                "images": self._shard.scalar("images", self._row),
+                "mrope_positions": self._shard.int_list("mrope_positions", self._row),
+                "rope_delta": self._shard.scalar("rope_delta", self._row)}
+
+    @property
     def positions(self) -> torch.Tensor:
         """Token position of each row, in row order (every covered position unless the run used ``--keep``)."""
         meta = self._shard.metadata

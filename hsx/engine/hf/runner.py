@@ -114,6 +114,11 @@ class HFRunner(Runner):
         return {"model_type": spec.model_type, "image_token_id": spec.image_token_id, "image_token": spec.image_token,
                 "image_processor": type(self.vision[1]).__name__, "mrope": spec.mrope,
                 "boundary_0": "the merged text and vision embeddings the first block receives",
+                "boundaries": "boundary b < L is the input of block b (after any deepstack add)",
+                "deepstack": {"blocks": spec.deepstack,
+                              "side": "after the add: boundaries 1..blocks hold what the next block receives "
+                                      "(transformers' hidden_states and SGLang's capture are before it)"}
+                if spec.deepstack else None,
                 "image_hash": "sha256 of 'WIDTHxHEIGHT:' + the RGB pixels"}
 
     def describe(self) -> dict:

@@ -1,5 +1,5 @@
 """Vision-language targets on the transformers engine: batched prefill and plain decoding over chats
-with images (Qwen2-VL, Qwen2.5-VL, LLaVA; :mod:`hsx.data.images` renders their rows).
+with images (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA; :mod:`hsx.data.images` renders their rows).
 
 A batch is right-padded; one forward gets the padded ids, a 2-D attention mask, the pixels of every
 image of the batch in row order (and ``image_grid_thw`` where the model has one) and explicit
@@ -11,13 +11,16 @@ positions, so the model's own position guesses never decide alignment:
   token sits at ``prompt_len + t + rope_delta`` on all three axes;
 * other models: ``cumsum(mask) - 1``.
 
-The language model's blocks are hooked as in :mod:`hsx.engine.hf.capture`: boundary 0 is the first
-block's input, which on these models is the merged text and vision embeddings (image tokens hold the
-projected vision features); boundary b is block b-1's output; L is the final norm's input, ``final``
-its output. Rows follow the usual alignment (``hsx.align``): row j is the state after token j.
+The language model's blocks are hooked at their inputs: boundary b < L is what block b receives, so
+boundary 0 is the merged text and vision embeddings (image tokens hold the projected vision
+features); L is the final norm's input, ``final`` its output. On deepstack models (Qwen3-VL) the
+vision features of the tower's deepstack layers are added at image tokens to the outputs of blocks
+0..k-1 before the next block receives them: boundaries 1..k are after that add (transformers'
+``hidden_states[b]`` and SGLang's capture hold block b-1's output before it); elsewhere block b's
+input is block b-1's output. Rows follow the usual alignment (``hsx.align``): row j is the state after token j.
 
-Not run here (refused before the first forward): a draft model or EAGLE3 head, deepstack models
-(Qwen3-VL, Qwen3.5), chunked prefill.
+Not run here (refused before the first forward): a draft model or EAGLE3 head, Qwen3-VL-MoE and
+Qwen3.5, chunked prefill.
 """
 
 from __future__ import annotations
@@ -89,10 +92,9 @@ class _Hooks:
 
     def __enter__(self):
         blocks, norm, wanted = self.lm.layers, self.lm.norm, set(self.sources)
-        if 0 in wanted:
-            self.handles.append(blocks[0].register_forward_pre_hook(self._keep(0, pre=True)))
-        for b in sorted(s for s in wanted if s != FINAL and 0 < s < self.num_layers):
-            self.handles.append(blocks[b - 1].register_forward_hook(self._keep(b)))
+        # boundary b < L is what block b receives: on deepstack models, after the vision features are added
+        for b in sorted(s for s in wanted if s != FINAL and 0 <= s < self.num_layers):
+            self.handles.append(blocks[b].register_forward_pre_hook(self._keep(b, pre=True)))
         if self.num_layers in wanted:
             self.handles.append(norm.register_forward_pre_hook(self._keep(self.num_layers, pre=True)))
         if FINAL in wanted:

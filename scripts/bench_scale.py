@@ -14,15 +14,26 @@ fresh process (its peak resident memory is VmHWM, imports included):
   random      1,000 random ``ds[i]`` on an open output (its time per access, not per sample)
   inspect     ``hsx inspect``'s summary (small columns of every shard)
   verify      ``hsx verify`` (every shard read and checked)
+  loader      ``hsx.tokens_loader`` over every row of column ``final``, shuffled (its default buffer)
+  export      ``hsx export saelens`` of column ``final`` (contexts of 128 rows)
+  input       the input side: a JSONL file of as many short rows (written beforehand, not timed) read
+              through ``hsx.data.load_rows`` (HF datasets: converted once to a memory-mapped Arrow cache,
+              in a temp folder here) and every row taken in order, as a run takes them
+  input-disk  the same rows from a ``save_to_disk`` folder (made beforehand, not timed)
+  extract     ``hsx extract --mode prefill`` end to end on a tiny random Llama (2 blocks, width 64, built
+              here), one short text a sample, ``--per-shard`` samples a shard; its own output
+  extract-gen the same with ``--mode generate`` and 4 new tokens a sample
 
     python scripts/bench_scale.py --samples 10000 100000               # local disk
     python scripts/bench_scale.py --samples 10000 --store s3://bucket/prefix   # endpoint from AWS_* variables
     python scripts/bench_scale.py --samples 1000000 --steps commits    # the manifest alone at 1M
     PYTHONPATH=/path/to/older/hsx python scripts/bench_scale.py ...    # the same steps on another hsx
 
-Prints one table (seconds, microseconds per sample, peak RSS, and the bytes the step handed to
-``write(2)``, from ``/proc/self/io``: unlike seconds, they do not depend on the disk's load) and writes
-it as JSON with ``--json``.
+Prints one table (seconds, microseconds per sample, the process's CPU seconds, peak RSS, and the bytes the
+step handed to ``write(2)``, from ``/proc/self/io``: unlike wall seconds, CPU seconds do not count waits
+for the disk's fsyncs, and bytes do not depend on the disk's load at all) and writes it as JSON with
+``--json``. ``--keep`` leaves the outputs in ``--store`` and ``--reuse`` measures steps on the outputs a
+run with ``--keep`` left there (its ``write`` not repeated).
 """
 
 from __future__ import annotations
@@ -37,7 +48,8 @@ import tempfile
 import time
 from pathlib import Path
 
-STEPS = ("write", "commits", "rerun", "open", "random", "inspect", "verify")
+STEPS = ("write", "commits", "rerun", "open", "random", "inspect", "verify", "loader", "export", "input", "input-disk",
+         "extract", "extract-gen")
 
 CHILD = r"""
 import json, random, sys, time
@@ -47,7 +59,7 @@ import hsx
 from hsx.shards import Manifest, Record, ShardEntry, ShardSink, build_metadata, load_manifest
 from hsx.shards.manifest import save_manifest
 from hsx.shards.verify import inspect, verify
-step, out, n, per_shard = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+step, out, n, per_shard, aside = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 
 def written():  # bytes this process handed to write(2): shards, manifest, everything
     with open("/proc/self/io") as f:
@@ -68,7 +80,22 @@ def record(i):
     return Record(f"train:{i}", i, torch.arange(k) + i % 1000, 1, torch.ones(k, dtype=torch.uint8), "stop",
                   {"final": hidden[:k]})
 
-w0, t0 = written(), time.perf_counter()
+def reset_peak():  # what a step prepares is not its cost: VmHWM starts again from here (Linux >= 4.0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+if step == "input-disk":  # the saved folder, from the JSONL, before the clock starts
+    import datasets
+    datasets.load_dataset("json", data_files={"train": aside + ".jsonl"})["train"].save_to_disk(aside)
+    datasets.disable_caching()
+    reset_peak()
+if step.startswith("extract"):
+    from hsx.config import ExtractConfig
+    from hsx.run.pipeline import extract
+    cfg = ExtractConfig(model=aside + "-model", dataset=aside + ".jsonl", output=out, text_field="text", layers="final",
+                        mode="prefill" if step == "extract" else "generate", max_new_tokens=4, batch_size=64,
+                        max_shard_samples=per_shard, device="cpu")
+w0, t0, c0 = written(), time.perf_counter(), time.process_time()
 if step == "write":
     sink = ShardSink(out, Manifest(meta, config_hash="bench"), max_shard_samples=per_shard)
     for i in range(n):
@@ -104,16 +131,31 @@ elif step == "inspect":
     assert inspect(out)["samples"] == n
 elif step == "verify":
     assert verify(out).ok
-print(json.dumps({"seconds": time.perf_counter() - t0, "peak_mb": peak_kb() / 1024, "written_mb": (written() - w0) / 2**20}))
+elif step == "loader":
+    rows = sum(len(batch["final"]) for batch in hsx.tokens_loader(out, ["final"], batch_size=4096))
+    assert rows == sum(2 + i % 3 for i in range(n)), rows
+elif step == "export":
+    from hsx.export import export_saelens
+    export_saelens(out, aside, column="final", context_size=128, progress=False)
+elif step in ("input", "input-disk"):
+    from hsx.data.load import load_rows
+    ds = load_rows(aside + ".jsonl" if step == "input" else aside)
+    chars = sum(len(row["text"]) for row in ds)  # row by row, as a run takes them
+    assert len(ds) == n and chars > 0
+elif step.startswith("extract"):
+    summary = extract(cfg, progress=False)
+    assert summary.samples == n, summary
+print(json.dumps({"seconds": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, "peak_mb": peak_kb() / 1024,
+                  "written_mb": (written() - w0) / 2**20}))
 """
 
 
-def run_step(step: str, out: str, n: int, per_shard: int) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+def run_step(step: str, out: str, n: int, per_shard: int, aside: str, cache: str) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": cache}
     # run from the temp folder: ``python -c`` puts its working directory first on sys.path, and a checkout's
     # hsx there would shadow the one PYTHONPATH names
-    proc = subprocess.run([sys.executable, "-c", CHILD, step, out, str(n), str(per_shard)], capture_output=True,
-                          text=True, env=env, cwd=tempfile.gettempdir())
+    proc = subprocess.run([sys.executable, "-c", CHILD, step, out, str(n), str(per_shard), aside], check=False,
+                          capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
     if proc.returncode != 0:
         raise SystemExit(f"{step} at {n:,} samples failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -123,29 +165,68 @@ def location(base: str, name: str) -> str:
     return f"{base.rstrip('/')}/{name}" if base.startswith("s3://") else str(Path(base) / name)
 
 
+def write_texts(path: Path, n: int) -> None:
+    """``n`` JSON lines of a few words each (``{"text": ...}``), different from row to row."""
+    words = ("the", "a", "model", "reads", "short", "texts", "and", "writes", "rows", "of", "states")
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"text": " ".join(words[(i >> k) % len(words)] for k in range(0, 12, 3))}) + "\n"
+                     for i in range(n))
+
+
+def build_model(path: Path) -> None:
+    """A tiny random Llama and the demo tokenizer (no download): what is timed is hsx's own work."""
+    import torch
+
+    from hsx.demo.models import build_tiny_llama
+    from hsx.demo.tokenizer import build_demo_tokenizer
+
+    tok = build_demo_tokenizer()
+    model = build_tiny_llama(num_layers=2, hidden_size=64, vocab_size=len(tok))
+    model.to(torch.float32).save_pretrained(path)
+    tok.save_pretrained(path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, nargs="+", default=[10_000, 100_000])
     ap.add_argument("--per-shard", type=int, default=10, help="samples a shard (default 10: many shards)")
     ap.add_argument("--steps", nargs="+", default=list(STEPS), choices=STEPS)
     ap.add_argument("--store", default=None, help="s3://BUCKET/PREFIX, or a local folder (default: a temp folder)")
+    ap.add_argument("--keep", action="store_true", help="leave the outputs in --store (named n<SAMPLES>)")
+    ap.add_argument("--reuse", action="store_true", help="measure on the outputs --keep left in --store")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    if (args.keep or args.reuse) and args.store is None:
+        raise SystemExit("--keep and --reuse need --store")
     base = args.store or tempfile.mkdtemp(prefix="hsx-bench-scale-")
+    work = Path(tempfile.mkdtemp(prefix="hsx-bench-scale-work-"))  # inputs, the model, exports: local disk
     rows = []
     try:
+        if any(step.startswith("extract") for step in args.steps):
+            build_model(work / "texts-model")
         for n in args.samples:
-            out = location(base, f"n{n}-{int(time.time())}")
+            out = location(base, f"n{n}" if args.keep or args.reuse else f"n{n}-{int(time.time())}")
+            texts = work / "texts"
+            write_texts(texts.with_suffix(".jsonl"), n)
             for step in args.steps:
-                target = location(base, f"n{n}-commits-{int(time.time())}") if step == "commits" else out
-                r = run_step(step, target, n, args.per_shard)
+                if step == "write" and args.reuse:
+                    continue
+                target = out
+                if step == "commits" or step.startswith("extract"):
+                    target = location(base, f"n{n}-{step}-{int(time.time())}")
+                r = run_step(step, target, n, args.per_shard, str(texts), str(work / "cache"))
+                if target != out and not args.keep and not target.startswith("s3://"):
+                    shutil.rmtree(target, ignore_errors=True)
+                for leftover in (work / "cache", texts):  # the datasets cache, the saved folder or the export
+                    shutil.rmtree(leftover, ignore_errors=True)
                 per = 1000 if step == "random" else n  # random: per access
                 rows.append({"step": step, "samples": n, "shards": -(-n // args.per_shard), **r,
-                             "us_per_sample": 1e6 * r["seconds"] / per})
-                print(f"{step:8s} {n:>10,} samples {rows[-1]['shards']:>8,} shards  {r['seconds']:9.2f} s  "
-                      f"{rows[-1]['us_per_sample']:9.1f} us/sample  peak {r['peak_mb']:7.0f} MB  "
-                      f"written {r['written_mb']:9.1f} MB", flush=True)
+                             "us_per_sample": 1e6 * r["seconds"] / per, "cpu_us_per_sample": 1e6 * r["cpu_s"] / per})
+                print(f"{step:11s} {n:>10,} samples {rows[-1]['shards']:>8,} shards  {r['seconds']:9.2f} s  "
+                      f"{rows[-1]['us_per_sample']:9.1f} us/sample  cpu {rows[-1]['cpu_us_per_sample']:9.1f} us/sample  "
+                      f"peak {r['peak_mb']:7.0f} MB  written {r['written_mb']:9.1f} MB", flush=True)
     finally:
+        shutil.rmtree(work, ignore_errors=True)
         if args.store is None:
             shutil.rmtree(base, ignore_errors=True)
     if args.json:

@@ -499,3 +499,49 @@ def test_fingerprint_and_description(tmp_path):
     same_content = datasets.Dataset.from_list(ROWS)
     same_content._fingerprint = None
     assert dataset_fingerprint(ds) == dataset_fingerprint(same_content)
+
+
+# ---------------------------------------------------------------- input at scale
+
+
+@pytest.mark.parametrize("layout", ["jsonl", "parquet", "save_to_disk"])
+def test_a_large_input_is_read_from_memory_mapped_arrow_not_held_in_memory(tmp_path, layout):
+    n = 50_000
+    texts = [f"row {i}: " + "word " * (i % 7) for i in range(n)]
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    if layout == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"text": texts}), tmp_path / "rows.parquet")
+        source = tmp_path / "rows.parquet"
+    elif layout == "save_to_disk":
+        datasets.Dataset.from_dict({"text": texts}).save_to_disk(tmp_path / "saved")
+        source = tmp_path / "saved"
+    import pyarrow as pa
+
+    before = pa.total_allocated_bytes()
+    ds = load_rows(str(source))
+    held = pa.total_allocated_bytes() - before  # Arrow buffers in memory; a memory map allocates none
+    assert len(ds) == n and ds.cache_files  # the rows are in Arrow files on disk
+    assert held < ds.data.nbytes / 10, f"{held:,} bytes of Arrow memory for {ds.data.nbytes:,} bytes of rows"
+    seen = sum(1 for i, row in enumerate(ds) if row["text"] == texts[i])  # row by row, as a run takes them
+    assert seen == n
+
+
+def test_an_hsx_output_as_input_names_the_first_source_row_it_lacks(tmp_path):
+    from shard_fixtures import finite_records, make_metadata, write_sink
+
+    from hsx.data.stored import load_stored_rows
+
+    records = finite_records(make_metadata([8]), [3, 4, 2, 5])
+    for k, r in enumerate(records):
+        r.source_index = k if k < 2 else k + 1  # rows 0, 1, 3, 4: row 2 is in neither the shards nor the errors
+    write_sink(tmp_path / "out", make_metadata([8]), records)
+    with pytest.raises(HsxError, match="no sample or error record for source row 2 \\(the next one is row 3\\)"):
+        load_stored_rows(str(tmp_path / "out"))
+    records[2].source_index = 2
+    records[3].source_index = 3
+    write_sink(tmp_path / "whole", make_metadata([8]), records)
+    assert load_stored_rows(str(tmp_path / "whole"))["source_index"][:] == [0, 1, 2, 3]

@@ -364,3 +364,18 @@ def test_bench_export_runs_and_writes_its_report(tmp_path):
     assert sorted((r["data"], r["method"]) for r in runs) == sorted(
         (d, m) for d in ("full", "quarter") for m in ("read", "speculators", "saelens"))
     assert all(math.isfinite(r["mb_per_s"]) and r["mb_per_s"] > 0 and math.isfinite(r["peak_mb"]) for r in runs)
+
+
+def test_saelens_packer_joins_small_pieces_and_keeps_them_in_order():
+    from hsx.export.saelens import _Packer
+
+    gen = torch.Generator().manual_seed(0)
+    pieces = [torch.randn(1 + i % 4, 8, generator=gen) for i in range(3000)]  # samples of 1 to 4 rows
+    packer = _Packer(context_size=16, block_contexts=10_000)  # a block far larger than all of them
+    for i, p in enumerate(pieces):
+        assert packer.push(p, torch.full((len(p),), i)) is None
+    assert len(packer.rows) < 3000 // _Packer.JOIN + _Packer.JOIN  # not a tensor per sample held to the end
+    rows, tokens = packer.flush()
+    whole, owner = torch.cat(pieces), torch.cat([torch.full((len(p),), i) for i, p in enumerate(pieces)])
+    k = len(whole) // 16
+    assert torch.equal(rows, whole[:k * 16].view(k, 16, 8)) and torch.equal(tokens, owner[:k * 16].view(k, 16))

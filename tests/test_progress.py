@@ -141,3 +141,15 @@ def test_the_bar_moves_with_tokens_and_its_eta_is_what_is_left_at_the_rates_so_f
 def test_a_bar_without_token_reports_counts_samples_as_before(monkeypatch):
     bar = Progress(3, RunSummary("out"), enabled=False)
     assert bar._postfix().startswith("tok_s=") and bar.eta() == 0.0
+
+
+def test_rows_a_resumed_run_skips_come_off_the_total_and_do_not_count_as_done(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(core.time, "perf_counter", clock)
+    bar = Progress(1_000_000, RunSummary("out"))  # drawn (to the captured stderr): a disabled bar counts nothing
+    bar.update(core.Resumed(600_000))  # skipped at once: not samples done at the rate of this run
+    for _ in range(3):
+        clock.now += 1.0
+        bar.update(object())  # a record
+    assert (bar.bar.n, bar.bar.total) == (3, 400_000)  # the bar's own rate and ETA see only this run's work
+    assert bar._postfix().endswith("resumed 600,000")

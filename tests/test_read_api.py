@@ -93,3 +93,18 @@ def test_a_stored_sample_and_a_stream_record_spell_their_columns_alike(tmp_path)
             assert torch.equal(bits(s.hidden(name)), bits(s.hidden[name]))
             assert torch.equal(bits(r.hidden(name)), bits(r.hidden[name]))
             assert torch.equal(bits(s.hidden[name]), bits(r.hidden(name)))
+
+
+def test_opening_an_output_looks_at_no_shard_and_a_sample_at_its_own(tmp_path, monkeypatch):
+    """An output of many shards opens from its manifest alone (in a store, a look at a shard is a request)."""
+    from hsx.shards import reader
+
+    meta = make_metadata([4], "float32", "prefill")
+    records = finite_records(meta, [3, 2, 4, 5, 2, 3], seed=2)
+    write_sink(tmp_path / "out", meta, records, max_shard_samples=1)
+    looked = []
+    monkeypatch.setattr(reader, "shard_path", lambda d, name: looked.append(name) or reader.as_path(d) / name)
+    ds = hsx.open(tmp_path / "out")
+    assert len(ds) == 6 and looked == []
+    assert np.array_equal(ds[4].input_ids.numpy(), records[4].input_ids.numpy())
+    assert looked == ["shard-00004.parquet"]

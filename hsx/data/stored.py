@@ -98,6 +98,7 @@ def load_stored_rows(source: str):
     (:data:`COLUMNS`) or an error record (``source_error`` holds its reason). Every shard is
     checked against the manifest as it is read. The source indices must be ``0..n-1``."""
     import datasets
+    import numpy as np
     import pyarrow as pa
 
     from hsx.shards.reader import open_shards
@@ -108,11 +109,12 @@ def load_stored_rows(source: str):
     errors = pa.Table.from_pylist([{"sample_id": e.sample_id, "source_index": e.source_index, SOURCE_ERROR: e.reason}
                                    for e in m.errors], schema=samples.schema)
     table = pa.concat_tables([samples, errors]).sort_by("source_index")
-    indices = table.column("source_index").to_pylist()
-    if not indices:
+    indices = table.column("source_index").to_numpy()  # [n] int64, one array, not n Python ints
+    if not len(indices):
         raise HsxError(f"--dataset {source}: the hsx output holds no samples and no error records")
-    missing = next((k for k, i in enumerate(indices) if i != k), None)
-    if missing is not None:
+    gaps = np.flatnonzero(indices != np.arange(len(indices)))
+    if len(gaps):
+        missing = int(gaps[0])
         raise HsxError(f"--dataset {source}: no sample or error record for source row {missing} (the next one is "
                        f"row {indices[missing]}); a run over an output's tokens needs every row from 0 on")
     return datasets.Dataset(table)

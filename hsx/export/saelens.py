@@ -84,26 +84,36 @@ def resolve_column(meta: dict, column: str, where: str) -> BoundarySlice:
 class _Packer:
     """Rows in, whole contexts out: ``push`` returns [k, C, W] / [k, C] blocks once enough rows wait."""
 
+    JOIN = 256  # loose pieces joined at a time: a tensor per sample of few rows costs more than its rows
+
     def __init__(self, context_size: int, block_contexts: int):
         self.c, self.block = context_size, block_contexts
         self.rows: list[torch.Tensor] = []
         self.tokens: list[torch.Tensor] = []
         self.pending = 0
+        self.loose = 0  # pieces at the end of the lists not joined yet
 
     def push(self, rows: torch.Tensor, tokens: torch.Tensor):
         self.rows.append(rows)
         self.tokens.append(tokens)
         self.pending += len(rows)
-        if self.pending < self.block * self.c:
-            return None
-        return self._take(self.pending // self.c)
+        if self.pending >= self.block * self.c:
+            return self._take(self.pending // self.c)
+        self.loose += 1
+        if self.loose == self.JOIN:  # each piece is copied once here, and the lists grow by one per JOIN pieces
+            for parts in (self.rows, self.tokens):
+                tail = parts[-self.JOIN:]
+                del parts[-self.JOIN:]
+                parts.append(_drain(tail))
+            self.loose = 0
+        return None
 
     def _take(self, k: int):
         rows, tokens = _drain(self.rows), _drain(self.tokens)
         n = k * self.c
         # the rest (under one context) copied: a view would keep the whole block alive until the next one
         self.rows, self.tokens = [rows[n:].clone()], [tokens[n:].clone()]
-        self.pending = len(rows) - n
+        self.pending, self.loose = len(rows) - n, 0
         return rows[:n].view(k, self.c, -1), tokens[:n].view(k, self.c)
 
     def flush(self):

@@ -105,12 +105,20 @@ class Progress:
         self.counts = dict(queued=0, prompt=0, generated=0, budget=0)
         self.prompt_s = self.generate_s = 0.0  # seconds spent prefilling, generating (between reports)
         self.last = self.drawn = self.t0
+        self.resumed = 0  # rows the output held already, taken off the total
 
     def update(self, item) -> None:
-        """Count one item of :func:`results` (a :class:`Resumed` counts its rows)."""
+        """Count one item of :func:`results`. A :class:`Resumed` takes its rows off the bar's total instead:
+        rows skipped in a moment counted as done would make the rate, and so the bar's own ETA, a lie for
+        the rest of a resumed run (half a million rows skipped in a second read as 500,000 samples/s)."""
+        if isinstance(item, Resumed):
+            self.resumed += item.count
+            self.bar.total -= item.count
+            self.bar.set_postfix_str(self._postfix())
+            return
         # the postfix goes first: update() draws it (one set after the draw shows a sample late)
         self.bar.set_postfix_str(self._postfix(), refresh=False)
-        self.bar.update(item.count if isinstance(item, Resumed) else 1)
+        self.bar.update(1)
 
     def tokens(self, queued: int = 0, prompt: int = 0, generated: int = 0, budget: int = 0) -> None:
         """An engine's report (:meth:`hsx.engine.contract.Runner.watch_tokens`)."""
@@ -128,14 +136,15 @@ class Progress:
 
     def _postfix(self) -> str:
         s, c = self.summary, self.counts
+        resumed = f", resumed {self.resumed:,}" if self.resumed else ""
         if not c["queued"]:  # the engine reports nothing: samples and their tokens only
-            return f"tok_s={s.tokens / max(time.perf_counter() - self.t0, 1e-9):,.0f}, errors={s.errors}"
+            return f"tok_s={s.tokens / max(time.perf_counter() - self.t0, 1e-9):,.0f}, errors={s.errors}{resumed}"
         parts = [f"prompt {c['prompt']:,}/{c['queued']:,} tok"]
         if c["budget"]:
             parts.append(f"generated {c['generated']:,}/<={c['budget']:,} tok")
         eta = self.eta()
         parts.append("eta ?" if eta is None else f"eta {_clock(eta)}")
-        return ", ".join(parts) + f", errors={s.errors}"
+        return ", ".join(parts) + f", errors={s.errors}{resumed}"
 
     def eta(self) -> float | None:
         """Seconds the tokens the engine holds will take: prompt tokens left at the prefill rate so far,

@@ -194,11 +194,31 @@ class TokenMatrix:
     token_id: torch.Tensor  # [R] int64, the token at that position (the row's input)
 
 
+class ShardPaths(Sequence):
+    """Where each committed shard of an output is, found when first asked for: a shard whose crash left it under
+    its staging name is found by a look at its own name (:func:`shard_path`), so opening an output of 20,000
+    shards makes no request per shard (in a store, each look is a request)."""
+
+    def __init__(self, directory: Path, names: list[str]):
+        self._dir, self._names, self._found = directory, names, {}
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        k = range(len(self))[k]  # a negative index as a list takes it; out of range raises IndexError
+        if k not in self._found:
+            self._found[k] = shard_path(self._dir, self._names[k])
+        return self._found[k]
+
+
 class ShardDataset:
     """Samples of a directory of shards (or one shard file): in source order where the manifest lists
     source indices (format 3), else in manifest order."""
 
-    def __init__(self, paths: list[Path], entries: list[ShardEntry | None], counts: list[int], metadata: dict,
+    def __init__(self, paths: Sequence[Path], entries: list[ShardEntry | None], counts: list[int], metadata: dict,
                  errors: list[ErrorRecord] = (), cache_shards: int = 4, index: np.ndarray | None = None,
                  cache_blocks: int | None = None):
         self._paths, self._entries, self._counts = paths, entries, counts
@@ -400,7 +420,7 @@ def open_shards(path: str | Path, cache_shards: int = 4, cache_blocks: int | Non
     path = as_path(path)  # a local path, or s3://bucket/prefix
     if path.is_dir():
         m = load_manifest(path)
-        paths = [shard_path(path, s.file) for s in m.shards]
+        paths = ShardPaths(path, [s.file for s in m.shards])
         return ShardDataset(paths, list(m.shards), [s.samples for s in m.shards], m.metadata, m.errors, cache_shards,
                             _source_order(m.shards), cache_blocks)
     if not path.exists():

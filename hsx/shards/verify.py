@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -257,45 +259,54 @@ def inspect(path: str | Path) -> dict:
     else:
         raise ShardError(f"{path}: no such file or directory")
     cols = ["input_ids", "prompt_len", "loss_mask", "accept_lens", "finish_reason"]
-    tables = [_first_pieces(_read_columns(f, cols + _pieces_column(meta))).select(cols) for f in files]
-    t = pa.concat_tables(tables) if tables else fmt.schema_for(meta).empty_table().select(cols)
-    n_tok = _lengths(t.column("input_ids")) if t.num_rows else np.zeros(0, np.int64)
-    prompt = t.column("prompt_len").to_numpy() if t.num_rows else np.zeros(0, np.int64)
-    covered = int(fmt.expected_rows(n_tok, meta["mode"]).sum())
-    rows = int(stored_rows(t, meta).sum()) if t.num_rows else 0
+    # one shard's small columns at a time, into running totals: the memory of one shard, whatever the output holds
+    samples = tokens = prompt_tokens = covered = rows = 0
+    reasons, accept = Counter(), Counter()
+    for f in files:
+        t = _first_pieces(_read_columns(f, cols + _pieces_column(meta))).select(cols)
+        if not t.num_rows:
+            continue
+        n_tok = _lengths(t.column("input_ids"))
+        samples += t.num_rows
+        tokens += int(n_tok.sum())
+        prompt_tokens += int(t.column("prompt_len").to_numpy().sum())
+        covered += int(fmt.expected_rows(n_tok, meta["mode"]).sum())
+        rows += int(stored_rows(t, meta).sum())
+        for counted in pc.value_counts(t.column("finish_reason").combine_chunks()).to_pylist():
+            reasons[counted["values"]] += counted["counts"]
+        steps = pc.list_flatten(t.column("accept_lens")).to_numpy(zero_copy_only=False)
+        accept.update(dict(zip(*(a.tolist() for a in np.unique(steps, return_counts=True)))))
     row_bytes = sum(fmt.row_bytes(g["width"], meta["dtype"]) for g in meta["layers"])
     size = sum(f.stat().st_size for f in files)
-    accept = pc.list_flatten(t.column("accept_lens")).to_numpy(zero_copy_only=False) if t.num_rows else np.zeros(0)
     summary = {
         "path": str(path),
         "complete": complete,
         "shards": len(files),
-        "samples": t.num_rows,
+        "samples": samples,
         "errors": len(errors),
-        "tokens": int(n_tok.sum()),
-        "prompt_tokens": int(prompt.sum()),
-        "completion_tokens": int((n_tok - prompt).sum()),
+        "tokens": tokens,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": tokens - prompt_tokens,
         "rows_per_column": rows,
         "keep": fmt.keep_of(meta),
         "rows_covered": covered,  # rows with --keep all
         "bytes_saved": (covered - rows) * row_bytes,  # hidden-state bytes --keep did not store
         "error_records": [dataclasses.asdict(e) for e in errors],
         "bytes": size,
-        "bytes_per_token": size / max(1, int(n_tok.sum())),
+        "bytes_per_token": size / max(1, tokens),
         "dtype": meta["dtype"],
         "mode": meta["mode"],
         "layers": meta["layers"],
         "model": meta.get("model", {}),
         "engine": meta.get("engine", {}),
         "speculative": meta.get("speculative"),
-        "finish_reasons": dict(zip(*np.unique(t.column("finish_reason").to_numpy(zero_copy_only=False), return_counts=True))) if t.num_rows else {},
+        "finish_reasons": {str(k): int(v) for k, v in sorted(reasons.items())},
     }
-    summary["finish_reasons"] = {str(k): int(v) for k, v in summary["finish_reasons"].items()}
-    if accept.size:
-        vals, counts = np.unique(accept, return_counts=True)
+    if accept:
+        steps = sum(accept.values())
         summary["accept"] = {
-            "verify_steps": int(accept.size),
-            "mean_accept_len": float(accept.mean()),
-            "histogram": {int(v): int(c) for v, c in zip(vals, counts)},
+            "verify_steps": steps,
+            "mean_accept_len": sum(v * c for v, c in accept.items()) / steps,
+            "histogram": {int(v): int(c) for v, c in sorted(accept.items())},
         }
     return summary

@@ -165,6 +165,30 @@ def test_the_version_gate():
             check_version(other)
 
 
+def test_a_vision_language_target_is_refused_by_vllm_and_by_hsx(tmp_path, capfd):
+    """vLLM 0.32's Qwen2.5-VL module imports transformers' torchvision image processor, and the lane has no
+    torchvision (PyPI's wheel is a CUDA build that does not import beside the CPU torch), so vLLM refuses the
+    model while inspecting its architecture, before any weight loads; hsx's runner refuses it itself, in one
+    line (docs/VLLM.md, "Vision-language targets")."""
+    import importlib.util
+
+    from vllm import LLM
+
+    from hsx.engine.vllm.runner import VLLMRunner
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from vl_models import build_vl
+
+    assert importlib.util.find_spec("torchvision") is None, "the lane has torchvision: re-check docs/VLLM.md"
+    model = build_vl("qwen2_5_vl", tmp_path / "qwen2_5_vl")
+    with pytest.raises(ValueError, match=r"\['Qwen2_5_VLForConditionalGeneration'\] failed to be inspected"):
+        LLM(model=str(model), dtype="float32", enforce_eager=True, max_model_len=512)
+    out, err = capfd.readouterr()
+    assert "No module named 'torchvision'" in out + err
+    with pytest.raises(HsxError, match="qwen2_5_vl.*does not run vision-language targets in hsx: use --engine hf"):
+        VLLMRunner(ExtractConfig(model=str(model), engine="vllm", device="cpu", model_dtype="float32"))
+
+
 def test_multiprocess_engine_core_returns_the_same_rows(models, monkeypatch):
     """The engine core in its own process (vLLM's default): the capture is reached through collective_rpc."""
     from hsx.engine.vllm.runner import VLLMRunner

@@ -25,6 +25,7 @@ from hsx.demo.models import perturbed_copy
 from hsx.engine.hf import HFEngine, SamplingSettings, SpecSettings
 from hsx.engine.families import AttentionPlan, find_layout
 from hsx.errors import HsxError
+from hsx.heads.load import Eagle3Head
 from oracle import FINAL_NORM, logits_of, oracle_rows, oracle_sources
 
 # states of these models reach ~165 (like real ones, unlike |h| < 1 at the usual 0.02 init): rows must
@@ -430,9 +431,8 @@ def test_hsx_extract_tree_decoding_past_the_window(family, tmp_path):
 # ---- EAGLE3 heads on every attention family ----------------------------------------------------
 # (the recurrent families and DeepSeek-V4 have theirs in tests/test_recurrent.py and tests/test_compressed.py)
 
-def _random_head(model, seed: int = 0):
-    from hsx.heads.load import Eagle3Head
-
+def random_head(model, seed: int = 0):
+    """A random EAGLE3 head drafting from boundaries 0, 1 and 2 of ``model``."""
     hidden = model.config.hidden_size
     config = {"hidden_size": hidden, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 2 * hidden,
               "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}
@@ -444,7 +444,7 @@ def _random_head(model, seed: int = 0):
 @pytest.mark.parametrize("family,mode", [(f, m) for f in ALL if f not in STATEFUL for m in ("chain", "tree")])
 def test_an_eagle3_head_drafts_for_every_attention_family(family, mode):
     model = cached(family)
-    eng = HFEngine(model, groups_for(model), draft_model=_random_head(model), spec=SPECS[mode],
+    eng = HFEngine(model, groups_for(model), draft_model=random_head(model), spec=SPECS[mode],
                    store_dtype=torch.float32)
     reqs = prompts((5, 11, 2), seed=9)
     samples = eng.generate(reqs, SamplingSettings(max_new_tokens=8))

@@ -24,8 +24,7 @@ from hsx.engine.hf import HFEngine, SamplingSettings, SpecSettings
 from hsx.engine.hf.capture import Driven
 from hsx.engine.hf.kv import KV
 from hsx.errors import HsxError
-from hsx.heads.load import Eagle3Head
-from test_families import check_oracle, groups_for, prompts
+from test_families import check_oracle, groups_for, prompts, random_head
 
 PROMPT, DRAFTS = 7, 4  # a verify step of the root and 3 drafts
 KEPT = (1, 2, 4, 3)  # per row: only the root, one draft, all of them, two
@@ -140,19 +139,10 @@ def _own_chunked_final(model, ids: torch.Tensor, size: int) -> torch.Tensor:
     return torch.cat(out)
 
 
-def _random_head(model, seed: int = 0) -> Eagle3Head:
-    hidden = model.config.hidden_size
-    config = {"hidden_size": hidden, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 2 * hidden,
-              "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return Eagle3Head(config, model.get_input_embeddings(), VOCAB).float().eval()
-
-
 @pytest.mark.parametrize("family", RECURRENT)
 def test_an_eagle3_head_drafts_chains_for_a_recurrent_target(family):
     model = cached(family)
-    eng = HFEngine(model, groups_for(model), draft_model=_random_head(model), spec=SpecSettings(3, 1, 4),
+    eng = HFEngine(model, groups_for(model), draft_model=random_head(model), spec=SpecSettings(3, 1, 4),
                    store_dtype=torch.float32)
     for sample in eng.generate(prompts((5, 11, 2), seed=9), SamplingSettings(max_new_tokens=8)):
         check_oracle(model, sample, eng.groups, False, rel=RECURRENT_REL_TOL)
@@ -174,7 +164,7 @@ def test_trees_and_left_padding_are_refused_naming_the_family_and_the_layer_kind
                                        rf"draft tree's branches cannot share; draft a chain"):
         HFEngine(model, groups, draft_model=perturbed_copy(model, 0.05, 1), spec=tree)
     with pytest.raises(HsxError, match=rf"target model \({name}\): {kind} layers .*cannot share"):
-        HFEngine(model, groups, draft_model=_random_head(model), spec=tree)
+        HFEngine(model, groups, draft_model=random_head(model), spec=tree)
     with pytest.raises(HsxError, match=rf"target model \({name}\): {kind} layers keep a state per row, which left "
                                        rf"padding would enter before the prompt"):
         HFEngine(model, groups, padding_side="left")

@@ -16,7 +16,7 @@ from hsx.data.render import Renderer
 from hsx.engine.hf.engine import SamplingSettings
 from hsx.engine.hf.vision import VisionEngine, load_vision_target
 from hsx.errors import HsxError, SampleError
-from vl_models import FAMILIES, LLAVA_IMAGE, QWEN_IMAGE, build_vl, draw, oracle
+from vl_models import FAMILIES, GEMMA_IMAGE, LLAVA_IMAGE, QWEN_IMAGE, build_vl, draw, oracle
 
 # fp32, batched vs unbatched, relative to the largest reference value: correct rows measured up to 6.5e-7;
 # rows run at 1-D instead of mRoPE positions are off by up to 0.27
@@ -123,6 +123,26 @@ def test_image_tokens_and_grids_are_the_processors(target, images):
             want = proc(text=[text], images=pil, return_tensors="pt", add_special_tokens=False)
             assert prompt.input_ids == want["input_ids"][0].tolist()
             assert torch.equal(prompt.vision.pixel_values, want["pixel_values"])
+        elif t.family == "gemma3":
+            from transformers import Gemma3Processor
+
+            proc = Gemma3Processor(image_processor=t.processor, tokenizer=t.tok,
+                                   image_seq_length=t.model.config.mm_tokens_per_image)
+            want = proc(text=[text], images=[pil], return_tensors="pt", add_special_tokens=False)
+            assert prompt.input_ids == want["input_ids"][0].tolist()
+            assert prompt.vision.image_mask == want["token_type_ids"][0].tolist()  # the soft tokens only
+            assert torch.equal(prompt.vision.pixel_values, want["pixel_values"])
+            assert [im.grid for im in prompt.vision.images] == [tuple(want["pixel_values"].shape[-2:])] * len(pil)
+            for im in prompt.vision.images:  # framed by <start_of_image> .. <end_of_image>, both loss 0
+                assert prompt.input_ids[im.start - 1] == t.model.config.boi_token_id
+                assert prompt.input_ids[im.start + im.num_tokens] == t.model.config.eoi_token_id
+                assert prompt.loss_mask[im.start - 1] == prompt.loss_mask[im.start + im.num_tokens] == 0
+            # the frame's newlines merge with the text beside them: a splice of token ids is not the processor's
+            frame = t.tok("\n\n", add_special_tokens=False)["input_ids"]
+            block = [proc.tokenizer.boi_token_id] + [t.spec.image_token_id] * 16 + [t.model.config.eoi_token_id]
+            ids0 = t.tok(text, add_special_tokens=False)["input_ids"]
+            spliced = [x for tok in ids0 for x in (frame + block + frame if tok == t.spec.placeholder_id else [tok])]
+            assert spliced != prompt.input_ids and len(spliced) != len(prompt.input_ids)
         else:
             from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
 
@@ -175,7 +195,7 @@ def test_a_length_limit_never_cuts_an_image_block(target, images):
 
 
 def bad_rows(images, family):
-    placeholder = LLAVA_IMAGE.strip() if family == "llava" else QWEN_IMAGE
+    placeholder = {"llava": LLAVA_IMAGE.strip(), "gemma3": GEMMA_IMAGE}.get(family, QWEN_IMAGE)
     user = lambda *parts: {"messages": [{"role": "user", "content": list(parts)}]}
     text = {"type": "text", "text": "look"}
     return [
@@ -211,10 +231,14 @@ def test_untested_deepstack_families_are_refused():
 
     with pytest.raises(HsxError, match="'qwen3_vl_moe': Qwen3-VL-MoE .* is not tested on hsx's vision path"):
         VisionSpec.of(Qwen3VLMoeConfig(), None, None)
-    from transformers import Gemma3Config
 
-    with pytest.raises(HsxError, match="'gemma3': Gemma 3 attends both ways inside each image block"):
-        VisionSpec.of(Gemma3Config(), None, None)
+
+def test_gemma3_pan_and_scan_is_refused():
+    from transformers import Gemma3Config
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    with pytest.raises(HsxError, match="'gemma3': its image processor has do_pan_and_scan set"):
+        VisionSpec.of(Gemma3Config(), None, Gemma3ImageProcessorPil(do_pan_and_scan=True))
 
 
 @pytest.mark.parametrize("mode", ["prefill", "generate"])
@@ -372,3 +396,75 @@ def test_deepstack_boundaries_are_what_the_next_block_receives(images, tmp_path)
                                     model_dtype="float32"))
     record = runner.describe_vision()
     assert record["deepstack"]["blocks"] == 2 and record["deepstack"]["side"].startswith("after the add")
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    torch.set_num_threads(1)
+    path = build_vl("gemma3", tmp_path_factory.mktemp("gemma3"))
+    model, tok, processor, spec = load_vision_target(str(path), torch.float32)
+    return SimpleNamespace(family="gemma3", path=path, model=model, tok=tok, processor=processor, spec=spec)
+
+
+def test_gemma3_image_blocks_attend_both_ways(gemma, images):
+    """Negative control: the same forward without ``token_type_ids`` (causal inside each image block) gives other
+    rows from the first image token on, so the grid's check can fail; the engine's rows (three rows of different
+    lengths, right-padded in one batch) are the forward with them."""
+    t = gemma
+    groups = parse_layers("0,1,2,final", ModelShape.from_config(t.model.config.get_text_config()), None)
+    prompts = [Renderer(t.tok, "prefill", vision=(t.spec, t.processor)).render(r, i) for i, r in enumerate(rows(images))]
+    out = VisionEngine(t.model, groups, t.spec, store_dtype=torch.float32).prefill(prompts)
+    assert len({len(p.input_ids) for p in prompts}) == 3
+    control = {}
+    for p, vs in zip(prompts, out, strict=True):
+        ids = vs.sample.input_ids
+        with_types, _ = oracle(t, p, ids)
+        causal, _ = oracle(t, p, ids, token_types=False)
+        image = torch.tensor(p.vision.image_mask, dtype=torch.bool)
+        first = int(image.nonzero()[0, 0]) if image.any() else len(ids)
+        for name, b in (("b0", 0), ("b1", 1), ("b2", 2), ("final", 3)):
+            got, scale = vs.sample.hidden[name].float(), with_types[b][0].abs().max()
+            assert (got - with_types[b][0]).abs().max() <= TOL * scale, (p.sample_id, name)
+            off = (got - causal[b][0]).abs().amax(-1) / scale  # [N] relative to the rows with token types
+            assert off[:first].max() <= TOL, (p.sample_id, name)  # before the first image: the same
+            if b == 0 or first == len(ids):  # embeddings, and a text-only row: no mask to differ by
+                assert off.max() <= TOL, (p.sample_id, name)
+                continue
+            # block 0's output differs at every image token but a block's last (it sees its whole block either
+            # way); from block 1's output on, every token after the first block differs too
+            block_last = torch.tensor([im.start + im.num_tokens - 1 for im in p.vision.images])
+            inside = image.clone()
+            inside[block_last] = False
+            assert off[inside].min() > 1e-3, (p.sample_id, name, off[inside].min())
+            if b == 1:
+                assert off[~inside].max() <= TOL, (p.sample_id, name)
+            else:
+                assert off[int(block_last[0]) + 1 :].min() > 1e-3, (p.sample_id, name)
+            control[name] = max(control.get(name, 0.0), off.max().item())
+    print("rows without token_type_ids, largest relative difference per boundary:", control)
+
+
+def test_gemma3_boundary_0_is_what_block_0_receives(gemma, images):
+    """Boundary 0: the text embeddings scaled by sqrt(hidden) and the projected vision features at image tokens,
+    as a pre-hook on block 0 sees them."""
+    t = gemma
+    groups = parse_layers("0,final", ModelShape.from_config(t.model.config.get_text_config()), None)
+    prompt = Renderer(t.tok, "prefill", vision=(t.spec, t.processor)).render(rows(images)[2], 2)
+    vs = VisionEngine(t.model, groups, t.spec, store_dtype=torch.float32).prefill([prompt])[0]
+    seen = {}
+    handle = t.model.model.language_model.layers[0].register_forward_pre_hook(
+        lambda m, args: seen.__setitem__("b0", args[0][0].clone()))
+    try:
+        hs, _ = oracle(t, prompt, vs.sample.input_ids)
+    finally:
+        handle.remove()
+    got = vs.sample.hidden["b0"].float()
+    assert torch.equal(got, seen["b0"]) and torch.equal(got, hs[0][0])
+    ids, image = vs.sample.input_ids, torch.tensor(prompt.vision.image_mask, dtype=torch.bool)
+    hidden = t.model.config.get_text_config().hidden_size
+    table = t.model.model.language_model.embed_tokens.weight
+    assert torch.allclose(got[~image], table[ids[~image]] * hidden ** 0.5, rtol=1e-6, atol=0)
+    with torch.inference_mode():
+        features = t.model.model.get_image_features(prompt.vision.pixel_values).pooler_output  # [images, n, H]
+    assert torch.equal(got[image], features.reshape(-1, hidden))
+    assert not torch.allclose(got[image], table[ids[image]] * hidden ** 0.5)

@@ -13,7 +13,11 @@ from hsx.demo.tokenizer import build_demo_tokenizer
 
 QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 LLAVA_IMAGE = "<image>\n"
+GEMMA_IMAGE = "<start_of_image>"
 VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>", "<image>"]
+# Gemma 3's tokenizer names its image tokens (Gemma3Processor reads them from these attributes)
+GEMMA_TOKENS = {"boi_token": GEMMA_IMAGE, "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+GEMMA_IMAGE_TOKENS = 16  # mm_tokens_per_image of the tiny Gemma 3: a 112-pixel image, 8 x 8 patches pooled 2 x 2
 
 # The demo template, with content given as a string or as a list of text and image parts.
 TEMPLATE = r"""{%- macro render(content) -%}
@@ -35,11 +39,11 @@ TEMPLATE = r"""{%- macro render(content) -%}
 {{- '<|assistant|>\n' }}
 {%- endif %}"""
 
-FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "llava")
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "llava", "gemma3")
 
 
-def vl_tokenizer(image_text: str):
-    tok = build_demo_tokenizer(vocab_size=512)
+def vl_tokenizer(image_text: str, vocab_size: int = 512):
+    tok = build_demo_tokenizer(vocab_size=vocab_size)
     tok.add_tokens(VISION_TOKENS, special_tokens=True)
     tok.chat_template = TEMPLATE.replace("IMAGE", image_text.replace("\n", "\\n"))
     return tok
@@ -109,10 +113,32 @@ def build_vl(family: str, out_dir: str | Path, seed: int = 0) -> Path:
             image_token_index=tok.convert_tokens_to_ids("<image>"), vision_feature_select_strategy="default",
             vision_feature_layer=-1, projector_hidden_act="gelu")
         processor = CLIPImageProcessorPil(size={"shortest_edge": 42}, crop_size={"height": 42, "width": 42})
+    elif family == "gemma3":  # image tokens attend both ways inside their block; sliding layers of window 12
+        from transformers import Gemma3Config
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        # vocab 1024 learns the merge of "\n\n": the processor's framing "\n\n" merges with the text beside it
+        tok = vl_tokenizer(GEMMA_IMAGE, vocab_size=1024)
+        tok.add_tokens(list(GEMMA_TOKENS.values()), special_tokens=True)
+        tok._set_model_specific_special_tokens(GEMMA_TOKENS)
+        ids = tok.convert_tokens_to_ids(list(GEMMA_TOKENS.values()))
+        config = Gemma3Config(
+            text_config=dict(vocab_size=len(tok), head_dim=16, query_pre_attn_scalar=16, sliding_window=12,
+                             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                             pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                             eos_token_id=tok.eos_token_id, **text),
+            vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=2, num_attention_heads=2, image_size=112, patch_size=14),
+            mm_tokens_per_image=GEMMA_IMAGE_TOKENS, boi_token_index=ids[0], image_token_index=ids[1],
+            eoi_token_index=ids[2])
+        processor = Gemma3ImageProcessorPil(size={"height": 112, "width": 112})
     else:
         raise ValueError(family)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config).eval()
+    if family == "gemma3":  # its projector starts at zero: every image token would embed to zeros, pixels unseen
+        with torch.no_grad():
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=0.15)
     model.save_pretrained(out)
     tok.save_pretrained(out)
     processor.save_pretrained(out)
@@ -128,12 +154,16 @@ def draw(path: str | Path, width: int, height: int, seed: int) -> str:
     return str(path)
 
 
-def oracle(t, prompt, ids: torch.Tensor) -> tuple[tuple, torch.Tensor | None]:
+def oracle(t, prompt, ids: torch.Tensor, token_types: bool = True) -> tuple[tuple, torch.Tensor | None]:
     """One unbatched teacher-forced forward of the target ``t`` over ``ids`` with the pixels of ``prompt`` (a
     :class:`hsx.data.render.VisionPrompt`); the model places the
     image features and (Qwen) computes its own mRoPE positions from the token types. On deepstack models
-    boundary b in 1..L-1 is block b's input, taken by hooks of this function's own."""
+    boundary b in 1..L-1 is block b's input, taken by hooks of this function's own. Gemma 3 gets
+    ``token_type_ids`` 1 at the config's image token, as its processor writes them (``token_types=False``: none,
+    causal attention inside the image blocks)."""
     extra = {}
+    if t.model.config.model_type == "gemma3" and token_types:
+        extra["token_type_ids"] = (ids == t.model.config.image_token_id).long()[None]
     v = prompt.vision
     if v.images:
         extra["pixel_values"] = v.pixel_values

@@ -11,10 +11,20 @@ Where an image comes from
 
 What the model sees
     The chat template writes one placeholder token per image part (``<|image_pad|>`` inside
-    ``<|vision_start|> ... <|vision_end|>`` for Qwen2/2.5/3-VL, ``<image>`` for LLaVA); each
-    placeholder is expanded to the number of tokens the model's vision tower produces for that
-    image, as the model's processor does (:class:`VisionSpec`). The expanded ids are the sample's
-    ids: they are what the model runs over and what the rows align to.
+    ``<|vision_start|> ... <|vision_end|>`` for Qwen2/2.5/3-VL, ``<image>`` for LLaVA,
+    ``<start_of_image>`` for Gemma 3); each placeholder is expanded to the number of tokens the
+    model's vision tower produces for that image, as the model's processor does (:class:`VisionSpec`).
+    The expanded ids are the sample's ids: they are what the model runs over and what the rows align to.
+
+    Gemma 3's processor frames each image with text of its own: the placeholder becomes
+    ``"\n\n<start_of_image>" + "<image_soft_token>" * mm_tokens_per_image + "<end_of_image>\n\n"``,
+    and the text is tokenized again, so the framing newlines merge with the text beside them
+    (``"user\n" + "\n\n"`` is one ``"\n\n\n"`` token in Gemma's vocabulary). hsx does the same on
+    the text between the tokenizer's added tokens on either side of each placeholder (the tokenizer
+    never merges across those), and refuses a tokenizer whose runs do not decode and re-encode to
+    themselves. The image tokens are the soft tokens only: ``<start_of_image>`` and
+    ``<end_of_image>`` are text to the model (its embeddings, causal attention); the soft tokens get
+    the vision features and attend to each other both ways (``token_type_ids`` 1 on them).
 
 An image's hash is the sha256 of ``"{width}x{height}:"`` followed by its RGB pixels, so a file
 re-encoded without a pixel change keeps its hash and any pixel change alters it.
@@ -37,13 +47,15 @@ MERGED_GRID = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # tokens = t * h * w // me
 # Families that add vision features (deepstack) to the hidden states at image tokens after their first blocks.
 DEEPSTACK = ("qwen3_vl",)
 PATCHES = ("llava",)  # tokens = (H // patch) * (W // patch) (+1 with the CLS feature kept)
+# Families whose processor frames each image with text and a fixed number of soft tokens (mm_tokens_per_image),
+# which attend to each other both ways inside their block (token_type_ids 1 on them).
+FRAMED = ("gemma3",)
+FRAME = "\n\n"  # Gemma3Processor.full_image_sequence: FRAME + boi + image * n + eoi + FRAME
 # Vision-language families hsx refuses, with the reason.
 REFUSED = {
     "qwen3_vl_moe": "Qwen3-VL-MoE (deepstack with MoE blocks) is not tested on hsx's vision path",
     "qwen3_5": "Qwen3.5 (deepstack with linear-attention blocks) is not tested on hsx's vision path",
     "qwen3_5_moe": "Qwen3.5 (deepstack with linear-attention blocks) is not tested on hsx's vision path",
-    "gemma3": "Gemma 3 attends both ways inside each image block (token_type_ids) and its processor frames each "
-              "image with text of its own; hsx runs neither yet",
 }
 
 
@@ -55,7 +67,7 @@ class ImageInfo:
     sha256: str
     size: tuple[int, int]  # (width, height) as read
     grid: tuple[int, ...]  # image_grid_thw (t, h, w) for grid models; (H, W) of the processed pixels otherwise
-    start: int  # first token of its block in the expanded ids
+    start: int  # first token of its block in the expanded ids (Gemma 3: the first soft token, after <start_of_image>)
     num_tokens: int
 
 
@@ -164,26 +176,50 @@ class VisionSpec:
     """How a vision-language family writes and counts image tokens (read from its config and image processor)."""
 
     model_type: str
-    image_token_id: int
+    image_token_id: int  # the token the model places vision features at
     image_token: str  # the placeholder the chat template writes once per image
     merge_size: int = 1  # grid models: patches merged into one token along each side
     patch_size: int = 1  # patch models: pixels per patch side
     keeps_cls: bool = False  # patch models: the CLS feature is one more token ("full" feature strategy)
     deepstack: int = 0  # deepstack models: blocks 0..deepstack-1 each have vision features added to their output
+    # framed models (Gemma 3): the placeholder is <start_of_image> (placeholder_id), expanded to the frame around
+    # tokens_per_image soft image tokens (image_token_id) closed by end_id; the tokenizer re-encodes the framed text
+    placeholder_id: int | None = None
+    end_id: int | None = None
+    tokens_per_image: int = 0
+    tokenizer: Any = field(default=None, compare=False, repr=False)
 
     @property
     def mrope(self) -> bool:
         return self.model_type in MERGED_GRID
+
+    @property
+    def bidirectional(self) -> bool:
+        """The model's image tokens attend both ways inside their block, given ``token_type_ids`` 1 on them."""
+        return self.model_type in FRAMED
+
+    @property
+    def written_id(self) -> int:
+        """The token the chat template writes once per image."""
+        return self.image_token_id if self.placeholder_id is None else self.placeholder_id
 
     @staticmethod
     def of(model_config, tokenizer, image_processor) -> "VisionSpec":
         kind = getattr(model_config, "model_type", None)
         if kind in REFUSED:
             raise HsxError(f"vision-language target {kind!r}: {REFUSED[kind]}; hsx does not run it yet")
-        if kind not in MERGED_GRID + PATCHES:
+        if kind not in MERGED_GRID + PATCHES + FRAMED:
             raise HsxError(f"vision-language target {kind!r}: hsx expands image tokens for "
-                           f"{', '.join(MERGED_GRID + PATCHES)} only")
+                           f"{', '.join(MERGED_GRID + PATCHES + FRAMED)} only")
         token_id = int(model_config.image_token_id)
+        if kind in FRAMED:
+            if getattr(image_processor, "do_pan_and_scan", None):
+                raise HsxError(f"vision-language target {kind!r}: its image processor has do_pan_and_scan set; hsx "
+                               "does not run pan-and-scan crops (each crop is one more framed image block)")
+            boi = int(model_config.boi_token_id)
+            return VisionSpec(kind, token_id, tokenizer.convert_ids_to_tokens(boi), placeholder_id=boi,
+                              end_id=int(model_config.eoi_token_id), tokens_per_image=int(model_config.mm_tokens_per_image),
+                              tokenizer=tokenizer)
         token = tokenizer.convert_ids_to_tokens(token_id)
         if kind in MERGED_GRID:
             deepstack = len(model_config.vision_config.deepstack_visual_indexes) if kind in DEEPSTACK else 0
@@ -200,8 +236,10 @@ class VisionSpec:
             counts = (grid.prod(-1) // self.merge_size ** 2).tolist()
             return out["pixel_values"], grid, [tuple(g) for g in grid.tolist()], counts
         pixels = out["pixel_values"]
+        if out.get("num_crops") is not None and any(int(c) for c in out["num_crops"]):
+            raise HsxError("the image processor made pan-and-scan crops; hsx does not run them")
         height, width = int(pixels.shape[-2]), int(pixels.shape[-1])
-        n = (height // self.patch_size) * (width // self.patch_size) + int(self.keeps_cls)
+        n = self.tokens_per_image or (height // self.patch_size) * (width // self.patch_size) + int(self.keeps_cls)
         return pixels, None, [(height, width)] * len(images), [n] * len(images)
 
     def expand(self, sample_id: str, ids: list[int], mask: list[int], images: Sequence, sources: Sequence[str],
@@ -210,14 +248,22 @@ class VisionSpec:
         import torch
 
         ids_t = torch.tensor(ids, dtype=torch.long)
-        at = (ids_t == self.image_token_id).nonzero()[:, 0]
+        at = (ids_t == self.written_id).nonzero()[:, 0]
         if at.numel() != len(images):
             raise SampleError(sample_id, f"the rendered chat holds {at.numel()} image placeholders "
                                          f"({self.image_token!r}) for {len(images)} images; each image part is one "
                                          "placeholder (is the placeholder written in a text part?)")
+        if self.placeholder_id is not None and (ids_t == self.image_token_id).any():
+            raise SampleError(sample_id, f"the rendered chat holds the image token {self.image_token_id} outside an "
+                                         "image (written in a text part?); the model would place image features there")
         if not images:
             return ids, mask, VisionInputs(None, None, [], [0] * len(ids))
         pixel_values, grid_thw, grids, counts = self.pixels(image_processor, images)
+        if self.placeholder_id is not None:
+            expanded, loss, image_mask, starts = self._frame(sample_id, ids, mask)
+            infos = [ImageInfo(src, image_hash(img), img.size, g, s, n)
+                     for src, img, g, s, n in zip(sources, images, grids, starts, counts, strict=True)]
+            return expanded, loss, VisionInputs(pixel_values, grid_thw, infos, image_mask)
         repeats = torch.ones(len(ids), dtype=torch.long)
         repeats[at] = torch.tensor(counts, dtype=torch.long)
         is_image = torch.zeros(len(ids), dtype=torch.bool)
@@ -229,6 +275,57 @@ class VisionSpec:
         infos = [ImageInfo(src, image_hash(img), img.size, g, s, n)
                  for src, img, g, s, n in zip(sources, images, grids, starts, counts, strict=True)]
         return expanded.tolist(), loss.tolist(), VisionInputs(pixel_values, grid_thw, infos, image_mask.int().tolist())
+
+    def _frame(self, sample_id: str, ids: list[int], mask: list[int]) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Gemma 3's expansion: ``(ids, loss mask, image mask, first soft token of each image)``. Each placeholder
+        becomes <start_of_image>, the soft tokens and <end_of_image>; the text runs next to it (between added
+        tokens) get the frame's newlines and are encoded again, as the processor's re-tokenization does."""
+        added = set(self.tokenizer.added_tokens_decoder)  # the tokenizer never merges text across these
+        # alternate text runs and added tokens, with a (maybe empty) run between any two added tokens
+        pieces: list[tuple[list[int], list[int]]] = [([], [])]
+        for t, m in zip(ids, mask, strict=True):
+            if t in added:
+                pieces += [([t], [m]), ([], [])]
+            else:
+                pieces[-1][0].append(t)
+                pieces[-1][1].append(m)
+        out_ids, out_loss, out_image, starts = [], [], [], []
+        for k, (run, run_mask) in enumerate(pieces):
+            if k % 2:  # an added token
+                if run[0] == self.placeholder_id:
+                    starts.append(len(out_ids) + 1)
+                    block = [self.placeholder_id] + [self.image_token_id] * self.tokens_per_image + [self.end_id]
+                    out_ids += block
+                    out_loss += [run_mask[0], *[0] * self.tokens_per_image, run_mask[0]]
+                    out_image += [0, *[1] * self.tokens_per_image, 0]
+                else:
+                    out_ids += run
+                    out_loss += run_mask
+                    out_image += [0]
+                continue
+            before = k > 0 and pieces[k - 1][0][0] == self.placeholder_id
+            after = k + 1 < len(pieces) and pieces[k + 1][0][0] == self.placeholder_id
+            if before or after:
+                run, run_mask = self._reframe(sample_id, run, run_mask, before, after,
+                                              pieces[k - 1 if before else k + 1][1][0])
+            out_ids += run
+            out_loss += run_mask
+            out_image += [0] * len(run)
+        return out_ids, out_loss, out_image, starts
+
+    def _reframe(self, sample_id: str, run: list[int], run_mask: list[int], before: bool, after: bool,
+                 placeholder_loss: int) -> tuple[list[int], list[int]]:
+        """A text run beside a placeholder, with the frame's newlines on the placeholder's side(s), encoded again."""
+        tok = self.tokenizer
+        text = tok.decode(run, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if run and tok(text, add_special_tokens=False)["input_ids"] != run:
+            raise HsxError(f"sample {sample_id!r}: the tokenizer does not encode the decoded text {text!r} back to its "
+                           "tokens; hsx cannot frame Gemma 3 images as the processor's re-tokenization does")
+        if len(set(run_mask)) > 1:
+            raise SampleError(sample_id, f"the text {text!r} next to an image is partly learned (loss mask "
+                                         f"{run_mask}); its re-encoding with the image's frame has no loss mask")
+        framed = tok((FRAME if before else "") + text + (FRAME if after else ""), add_special_tokens=False)["input_ids"]
+        return framed, [run_mask[0] if run else placeholder_loss] * len(framed)
 
 
 def cut_inside_image(inputs: VisionInputs, limit: int) -> ImageInfo | None:

@@ -11,7 +11,8 @@ The forward is the model's own: ``input_ids`` with the pixels (and ``image_grid_
 no position ids. On mRoPE models it is given the image-token types of the stored blocks, from which
 the model computes its 3-D positions itself; the stored ``mrope_positions`` and ``rope_delta`` are
 checked against the model's ``get_rope_index`` over the whole sequence (a ``positions`` finding).
-Boundary 0 is ``hidden_states[0]``, the merged text and vision embeddings. On deepstack models
+On Gemma 3 it is given ``token_type_ids`` 1 on the stored image blocks (each block attends to itself
+both ways). Boundary 0 is ``hidden_states[0]``, the merged text and vision embeddings. On deepstack models
 (Qwen3-VL) boundaries 1..L-1 are the blocks' inputs, after the deepstack add, as hsx stores them.
 """
 
@@ -83,6 +84,8 @@ class VisionReference(Reference):
                 inputs["image_grid_thw"] = grid
             inputs["mm_token_type_ids"] = types.to(self.device)
             findings = self._check_positions(samples, sample_ids, inputs, grid, lengths)
+        if self.spec.bidirectional:  # Gemma 3: the stored image blocks attend both ways inside themselves
+            inputs["token_type_ids"] = types.long().to(self.device)
         try:
             states = self._forward(sources, **inputs)
         finally:

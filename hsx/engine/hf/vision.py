@@ -1,5 +1,5 @@
 """Vision-language targets on the transformers engine: batched prefill and plain decoding over chats
-with images (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA; :mod:`hsx.data.images` renders their rows).
+with images (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA, Gemma 3; :mod:`hsx.data.images` renders their rows).
 
 A batch is right-padded; one forward gets the padded ids, a 2-D attention mask, the pixels of every
 image of the batch in row order (and ``image_grid_thw`` where the model has one) and explicit
@@ -11,9 +11,15 @@ positions, so the model's own position guesses never decide alignment:
   token sits at ``prompt_len + t + rope_delta`` on all three axes;
 * other models: ``cumsum(mask) - 1``.
 
+Gemma 3's prefill also gets ``token_type_ids`` (1 on the soft image tokens, 0 on text and padding): the
+model lets each image block attend to itself both ways, on top of the causal (and sliding-window)
+mask. Decode steps get none, as transformers' own ``generate`` does: a generated token is text and
+attends causally to the cache.
+
 The language model's blocks are hooked at their inputs: boundary b < L is what block b receives, so
 boundary 0 is the merged text and vision embeddings (image tokens hold the projected vision
-features); L is the final norm's input, ``final`` its output. On deepstack models (Qwen3-VL) the
+features; on Gemma 3 the text embeddings are already scaled by sqrt(hidden), the vision features are
+not); L is the final norm's input, ``final`` its output. On deepstack models (Qwen3-VL) the
 vision features of the tower's deepstack layers are added at image tokens to the outputs of blocks
 0..k-1 before the next block receives them: boundaries 1..k are after that add (transformers'
 ``hidden_states[b]`` and SGLang's capture hold block b-1's output before it); elsewhere block b's
@@ -32,6 +38,7 @@ import torch
 
 from hsx.align import FINAL, AlignedSample, Collector, LayerGroup, teacher_forced
 from hsx.data.images import VisionSpec
+from hsx.engine.families import FULL, AttentionPlan
 from hsx.engine.hf.engine import SamplingSettings, _choose
 from hsx.errors import HsxError
 
@@ -65,6 +72,16 @@ def with_prompt_images(vs: VisionSample, prompt) -> VisionSample:
                                    "grid": list(im.grid), "start": im.start, "num_tokens": im.num_tokens}
                                   for im in prompt.vision.images]
     return vs
+
+
+def window_plan(model) -> AttentionPlan | None:
+    """The attention plan of a target with sliding-window layers, else None. transformers' sliding cache
+    layers keep the last slots by count and its decode masks count the window in slots: both wrong for a
+    right-padded row shorter than the batch, so such a target decodes with its own masks by position."""
+    types = getattr(model.config.get_text_config(), "layer_types", None) or ()
+    if all(kind == FULL for kind in types):
+        return None
+    return AttentionPlan.from_model(model, "vision-language target")
 
 
 def refuse_draft_on_vision(model_type: str) -> HsxError:
@@ -157,6 +174,8 @@ class VisionEngine:
         extra = {} if pixels is None else {"pixel_values": pixels}
         if grid is not None:
             extra["image_grid_thw"] = grid
+        if self.spec.bidirectional:  # Gemma 3: image tokens attend both ways inside their block; padding is type 0
+            extra["token_type_ids"] = (ids == self.spec.image_token_id).long() * mask
         if self.spec.mrope:
             types = (ids == self.spec.image_token_id).int() * mask.int()
             positions, deltas = self.model.model.get_rope_index(ids, mm_token_type_ids=types, image_grid_thw=grid,
@@ -211,7 +230,9 @@ class VisionEngine:
         generator = torch.Generator(device=dev).manual_seed(sampling.seed)
         collector = Collector(self.groups, self.store_dtype)
         rids = list(range(batch))
-        cache = DynamicCache(config=self.model.config)
+        windows = window_plan(self.model)
+        # sliding layers (Gemma 3): every slot kept, the window applied by position in each step's mask
+        cache = DynamicCache() if windows else DynamicCache(config=self.model.config)
         stops = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=dev)
         done: dict[int, AlignedSample] = {}
         with torch.inference_mode(), _Hooks(self.lm, self.sources, self.num_layers) as hooks:
@@ -228,7 +249,13 @@ class VisionEngine:
                 mask = torch.cat([mask, torch.ones(batch, 1, dtype=mask.dtype, device=dev)], 1)
                 step_pos = (next_pos + n_out - 1)[:, None]  # [B, 1] the position of the token being fed
                 positions = step_pos[None].expand(3, -1, -1) if self.spec.mrope else step_pos
-                out = self._forward(token[:, None], mask, positions, cache)
+                step_mask = mask
+                if windows:  # slot j of a row holds position j in the prompt, next_pos + t for decode token t
+                    width = b["ids"].shape[1]
+                    key_pos = torch.cat([torch.arange(width, device=dev).expand(batch, -1),
+                                         next_pos[:, None] + torch.arange(n_out, device=dev)], 1)  # [B, K]
+                    step_mask = windows.masks(mask.bool()[:, None, :], step_pos, key_pos, self.model.dtype)
+                out = self._forward(token[:, None], step_mask, positions, cache)
                 nxt = _choose(out.logits[:, -1], sampling, generator)
                 cols = hooks.columns(self.groups)
                 for i in rids:

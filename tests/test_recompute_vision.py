@@ -54,7 +54,7 @@ def rows(images: dict) -> list[dict]:
 
 
 @pytest.fixture(scope="module", params=[("qwen2_5_vl", "generate"), ("qwen2_5_vl", "prefill"), ("llava", "generate"),
-                                        ("qwen3_vl", "generate")],
+                                        ("qwen3_vl", "generate"), ("gemma3", "generate"), ("gemma3", "prefill")],
                 ids=lambda p: "-".join(p))
 def clean(request, tmp_path_factory):
     """A clean output of the family in the mode; the images it read live in its own folder."""
@@ -130,9 +130,33 @@ def test_shifted_traded_and_boundary_faults_are_caught(clean, tmp_path):
     assert findings(out["recompute"]) == {sid: {"boundary 1"} for sid in prompts}, findings(out["recompute"])
 
 
+def test_rows_run_without_gemma3_token_types_are_caught(clean, tmp_path):
+    """Rows of a forward that let Gemma 3's image blocks attend causally only (no ``token_type_ids``): wrong
+    values at the image tokens and after them in both samples with images; the text-only one is unchanged."""
+    t = clean.target
+    if not t.spec.bidirectional:
+        pytest.skip("only Gemma 3's image blocks attend both ways")
+    renderer = Renderer(t.tok, clean.mode, vision=(t.spec, t.processor))
+    prompts = {r["id"]: renderer.render(r, i) for i, r in enumerate(rows(clean.images))}
+    sources = {"b0": 0, "b2": 2, "final": -1}
+
+    def causal(k, s, hidden):
+        hs, _ = oracle(t, prompts[s.sample_id], s.input_ids.long(), token_types=False)
+        for name, h in hidden.items():
+            h[:] = hs[sources[name]][0, : h.shape[0]]
+
+    code, out = recompute_cli(rewrite(clean.out, tmp_path / "causal", causal))
+    report = out["recompute"]
+    assert code == 1
+    verdicts = {s["sample_id"]: s["verdict"] for s in report["samples"]}
+    assert verdicts["text"] == "ok" and verdicts["one"] != "ok" and verdicts["two"] != "ok", verdicts
+    flagged = {f["column"] for s in report["samples"] for f in s["findings"]}
+    assert flagged == {"b2", "final"}, flagged  # the embeddings do not depend on the mask
+
+
 def test_stored_mrope_positions_are_checked(clean, tmp_path):
     if not clean.target.spec.mrope:
-        pytest.skip("LLaVA runs 1-D positions: nothing stored")
+        pytest.skip("LLaVA and Gemma 3 run 1-D positions: nothing stored")
     src = hsx.open(clean.out)
     vision = {s.sample_id: s.vision for s in src}
     two = vision["two"]

@@ -14,7 +14,9 @@ positions, so the model's own position guesses never decide alignment:
 Gemma 3's prefill also gets ``token_type_ids`` (1 on the soft image tokens, 0 on text and padding): the
 model lets each image block attend to itself both ways, on top of the causal (and sliding-window)
 mask. Decode steps get none, as transformers' own ``generate`` does: a generated token is text and
-attends causally to the cache.
+attends causally to the cache. On a target with sliding-window layers (Gemma 3) the cache keeps every
+slot and each decode step gets the engine's own masks, the window counted in positions
+(:func:`window_plan`).
 
 The language model's blocks are hooked at their inputs: boundary b < L is what block b receives, so
 boundary 0 is the merged text and vision embeddings (image tokens hold the projected vision
@@ -26,7 +28,7 @@ vision features of the tower's deepstack layers are added at image tokens to the
 input is block b-1's output. Rows follow the usual alignment (``hsx.align``): row j is the state after token j.
 
 Not run here (refused before the first forward): a draft model or EAGLE3 head, Qwen3-VL-MoE and
-Qwen3.5, chunked prefill.
+Qwen3.5, Gemma 3's pan-and-scan crops, chunked prefill.
 """
 
 from __future__ import annotations

@@ -469,3 +469,36 @@ def test_gemma3_boundary_0_is_what_block_0_receives(gemma, images):
         features = t.model.model.get_image_features(prompt.vision.pixel_values).pooler_output  # [images, n, H]
     assert torch.equal(got[image], features.reshape(-1, hidden))
     assert not torch.allclose(got[image], table[ids[image]] * hidden ** 0.5)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "generate"])
+def test_gemma3_frames_merge_with_the_text_beside_them_as_the_processors(gemma, images, mode):
+    """Newlines written next to an image (here added tokens, as in Gemma's vocabulary), images side by side, an
+    image last in its turn: hsx's ids, image mask and pixels are Gemma3Processor's on the same rendered text."""
+    from PIL import Image
+    from transformers import Gemma3Processor
+
+    t = gemma
+    a, b, c = ({"type": "image", "image": images[k]} for k in "abc")
+    text = lambda s: {"type": "text", "text": s}
+    chats = [[text("look\n\n"), a, text("\nand now\n"), b, c, text(" \n\n\nend")],
+             [text("first:"), a],
+             [a, b, text("  two")]]
+    proc = Gemma3Processor(image_processor=t.processor, tokenizer=t.tok,
+                           image_seq_length=t.model.config.mm_tokens_per_image)
+    renderer = Renderer(t.tok, mode, vision=(t.spec, t.processor))
+    for i, parts in enumerate(chats):
+        row = {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "seen"}]}
+        prompt = renderer.render(row, i)
+        turns = [{"role": "user", "content": [{"type": "image"} if p["type"] == "image" else p for p in parts]}]
+        if mode == "prefill":
+            turns.append({"role": "assistant", "content": "seen"})
+        rendered = t.tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=mode == "generate")
+        pil = [Image.open(p["image"]).convert("RGB") for p in parts if p["type"] == "image"]
+        want = proc(text=[rendered], images=[pil], return_tensors="pt", add_special_tokens=False)
+        assert prompt.input_ids == want["input_ids"][0].tolist(), (i, t.tok.convert_ids_to_tokens(prompt.input_ids))
+        assert prompt.vision.image_mask == want["token_type_ids"][0].tolist()
+        assert torch.equal(prompt.vision.pixel_values, want["pixel_values"])
+        learned = [m for m, im in zip(prompt.loss_mask, prompt.vision.image_mask) if im]
+        answer = len(t.tok("seen", add_special_tokens=False)["input_ids"]) + 1  # and <|end|>
+        assert learned == [0] * 16 * len(pil) and sum(prompt.loss_mask) == (answer if mode == "prefill" else 0)

@@ -117,9 +117,11 @@ def build_vl(family: str, out_dir: str | Path, seed: int = 0) -> Path:
         from transformers import Gemma3Config
         from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-        # vocab 1024 learns the merge of "\n\n": the processor's framing "\n\n" merges with the text beside it
+        # the processor's framing "\n\n" merges with the text beside it: vocab 1024 learns the merge of "\n\n",
+        # and runs of newlines are added tokens that are not special, as in Gemma's own vocabulary
         tok = vl_tokenizer(GEMMA_IMAGE, vocab_size=1024)
         tok.add_tokens(list(GEMMA_TOKENS.values()), special_tokens=True)
+        tok.add_tokens(["\n" * k for k in range(2, 6)], special_tokens=False)
         tok._set_model_specific_special_tokens(GEMMA_TOKENS)
         ids = tok.convert_tokens_to_ids(list(GEMMA_TOKENS.values()))
         config = Gemma3Config(

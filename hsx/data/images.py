@@ -20,7 +20,7 @@ What the model sees
     ``"\n\n<start_of_image>" + "<image_soft_token>" * mm_tokens_per_image + "<end_of_image>\n\n"``,
     and the text is tokenized again, so the framing newlines merge with the text beside them
     (``"user\n" + "\n\n"`` is one ``"\n\n\n"`` token in Gemma's vocabulary). hsx does the same on
-    the text between the tokenizer's added tokens on either side of each placeholder (the tokenizer
+    the text between the tokenizer's special tokens on either side of each placeholder (the tokenizer
     never merges across those), and refuses a tokenizer whose runs do not decode and re-encode to
     themselves. The image tokens are the soft tokens only: ``<start_of_image>`` and
     ``<end_of_image>`` are text to the model (its embeddings, causal attention); the soft tokens get
@@ -278,20 +278,23 @@ class VisionSpec:
 
     def _frame(self, sample_id: str, ids: list[int], mask: list[int]) -> tuple[list[int], list[int], list[int], list[int]]:
         """Gemma 3's expansion: ``(ids, loss mask, image mask, first soft token of each image)``. Each placeholder
-        becomes <start_of_image>, the soft tokens and <end_of_image>; the text runs next to it (between added
+        becomes <start_of_image>, the soft tokens and <end_of_image>; the text runs next to it (between special
         tokens) get the frame's newlines and are encoded again, as the processor's re-tokenization does."""
-        added = set(self.tokenizer.added_tokens_decoder)  # the tokenizer never merges text across these
-        # alternate text runs and added tokens, with a (maybe empty) run between any two added tokens
+        # the tokenizer never merges text across its special tokens (Gemma's newline runs are added tokens too,
+        # but not special: the trie matches the longest run, so "\n" + "\n\n" is one token after the framing)
+        special = {i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
+        special |= {self.placeholder_id, self.end_id, self.image_token_id}  # added tokens, whatever their flag
+        # alternate text runs and special tokens, with a (maybe empty) run between any two special tokens
         pieces: list[tuple[list[int], list[int]]] = [([], [])]
         for t, m in zip(ids, mask, strict=True):
-            if t in added:
+            if t in special:
                 pieces += [([t], [m]), ([], [])]
             else:
                 pieces[-1][0].append(t)
                 pieces[-1][1].append(m)
         out_ids, out_loss, out_image, starts = [], [], [], []
         for k, (run, run_mask) in enumerate(pieces):
-            if k % 2:  # an added token
+            if k % 2:  # a special token
                 if run[0] == self.placeholder_id:
                     starts.append(len(out_ids) + 1)
                     block = [self.placeholder_id] + [self.image_token_id] * self.tokens_per_image + [self.end_id]

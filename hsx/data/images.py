@@ -177,7 +177,7 @@ class VisionSpec:
 
     model_type: str
     image_token_id: int  # the token the model places vision features at
-    image_token: str  # the placeholder the chat template writes once per image
+    image_token: str  # its text; except on framed models, also the placeholder the chat template writes per image
     merge_size: int = 1  # grid models: patches merged into one token along each side
     patch_size: int = 1  # patch models: pixels per patch side
     keeps_cls: bool = False  # patch models: the CLS feature is one more token ("full" feature strategy)
@@ -185,6 +185,7 @@ class VisionSpec:
     # framed models (Gemma 3): the placeholder is <start_of_image> (placeholder_id), expanded to the frame around
     # tokens_per_image soft image tokens (image_token_id) closed by end_id; the tokenizer re-encodes the framed text
     placeholder_id: int | None = None
+    placeholder: str | None = None
     end_id: int | None = None
     tokens_per_image: int = 0
     tokenizer: Any = field(default=None, compare=False, repr=False)
@@ -217,9 +218,9 @@ class VisionSpec:
                 raise HsxError(f"vision-language target {kind!r}: its image processor has do_pan_and_scan set; hsx "
                                "does not run pan-and-scan crops (each crop is one more framed image block)")
             boi = int(model_config.boi_token_id)
-            return VisionSpec(kind, token_id, tokenizer.convert_ids_to_tokens(boi), placeholder_id=boi,
-                              end_id=int(model_config.eoi_token_id), tokens_per_image=int(model_config.mm_tokens_per_image),
-                              tokenizer=tokenizer)
+            return VisionSpec(kind, token_id, tokenizer.convert_ids_to_tokens(token_id), placeholder_id=boi,
+                              placeholder=tokenizer.convert_ids_to_tokens(boi), end_id=int(model_config.eoi_token_id),
+                              tokens_per_image=int(model_config.mm_tokens_per_image), tokenizer=tokenizer)
         token = tokenizer.convert_ids_to_tokens(token_id)
         if kind in MERGED_GRID:
             deepstack = len(model_config.vision_config.deepstack_visual_indexes) if kind in DEEPSTACK else 0
@@ -251,8 +252,8 @@ class VisionSpec:
         at = (ids_t == self.written_id).nonzero()[:, 0]
         if at.numel() != len(images):
             raise SampleError(sample_id, f"the rendered chat holds {at.numel()} image placeholders "
-                                         f"({self.image_token!r}) for {len(images)} images; each image part is one "
-                                         "placeholder (is the placeholder written in a text part?)")
+                                         f"({self.placeholder or self.image_token!r}) for {len(images)} images; each "
+                                         "image part is one placeholder (is the placeholder written in a text part?)")
         if self.placeholder_id is not None and (ids_t == self.image_token_id).any():
             raise SampleError(sample_id, f"the rendered chat holds the image token {self.image_token_id} outside an "
                                          "image (written in a text part?); the model would place image features there")
@@ -276,7 +277,8 @@ class VisionSpec:
                  for src, img, g, s, n in zip(sources, images, grids, starts, counts, strict=True)]
         return expanded.tolist(), loss.tolist(), VisionInputs(pixel_values, grid_thw, infos, image_mask.int().tolist())
 
-    def _frame(self, sample_id: str, ids: list[int], mask: list[int]) -> tuple[list[int], list[int], list[int], list[int]]:
+    def _frame(self, sample_id: str, ids: list[int], mask: list[int]
+               ) -> tuple[list[int], list[int], list[int], list[int]]:
         """Gemma 3's expansion: ``(ids, loss mask, image mask, first soft token of each image)``. Each placeholder
         becomes <start_of_image>, the soft tokens and <end_of_image>; the text runs next to it (between special
         tokens) get the frame's newlines and are encoded again, as the processor's re-tokenization does."""
@@ -322,8 +324,9 @@ class VisionSpec:
         tok = self.tokenizer
         text = tok.decode(run, skip_special_tokens=False, clean_up_tokenization_spaces=False)
         if run and tok(text, add_special_tokens=False)["input_ids"] != run:
-            raise HsxError(f"sample {sample_id!r}: the tokenizer does not encode the decoded text {text!r} back to its "
-                           "tokens; hsx cannot frame Gemma 3 images as the processor's re-tokenization does")
+            raise SampleError(sample_id, f"the tokenizer does not encode the decoded text {text!r} next to an image "
+                                         "back to its tokens; hsx cannot frame the image as the processor's "
+                                         "re-tokenization does")
         if len(set(run_mask)) > 1:
             raise SampleError(sample_id, f"the text {text!r} next to an image is partly learned (loss mask "
                                          f"{run_mask}); its re-encoding with the image's frame has no loss mask")

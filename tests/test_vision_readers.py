@@ -1,6 +1,7 @@
 """Readers on a vision-language output: the token loader and ``ds.tokens`` pick image or text rows
 (``where="image"``, ``"text"``, a position rule and a token rule together), every row checked against
-the sample's own rows and its stored ``image_mask``; a text output refuses a token rule in one line."""
+the sample's own rows and its stored ``image_mask``; a text output refuses a token rule in one line.
+The three exports keep image tokens out of the loss and record what they do not carry."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def out(tmp_path_factory):
                                                                      {"role": "assistant", "content": "ok then"}]}) + "\n"
                             for i, c in enumerate(chats)))
     extract(ExtractConfig(model=str(path), dataset=str(data), output=str(root / "out"), id_field="id", dtype="float32",
-                          model_dtype="float32", layers="final,1", mode="generate", max_new_tokens=4, batch_size=3,
+                          model_dtype="float32", layers="final,1,eagle3,3", mode="generate", max_new_tokens=4, batch_size=3,
                           max_shard_samples=2), progress=False)
     torch.set_num_threads(threads)
     return root / "out"
@@ -125,3 +126,42 @@ def test_a_token_rule_on_a_text_output_says_there_is_no_image_mask(tmp_path):
     with pytest.raises(HsxError, match="image_mask of a vision-language output"):
         ds.tokens(ds.columns[0], where="image")
     assert len(ds.tokens(ds.columns[0], where="loss").position) > 0
+
+
+def test_the_exports_keep_image_tokens_out_of_the_loss_and_say_what_they_leave_out(out, tmp_path):
+    from safetensors.torch import load_file
+
+    from hsx.export.saelens import export_saelens
+    from hsx.export.specforge import export_specforge
+    from hsx.export.speculators import export_speculators
+
+    ds = hsx.open(out)
+    image_token = ds.metadata["vision"]["image_token_id"]
+    export_specforge(out, tmp_path / "sf", progress=False)
+    export_speculators(out, tmp_path / "sp", progress=False)
+    export_saelens(out, tmp_path / "sae", column="b1", context_size=8, progress=False)
+    index = [json.loads(line) for line in (tmp_path / "sf" / "hsx_index.jsonl").read_text().splitlines()]
+    seen = 0
+    for i in range(len(ds)):
+        s = ds[i]
+        image = s.vision["image_mask"].bool()
+        assert bool((s.input_ids[image] == image_token).all()) and not bool(s.loss_mask[image].any())
+        sf = torch.load(tmp_path / "sf" / index[i]["file"], weights_only=True)
+        n = len(sf["input_ids"].reshape(-1))
+        assert torch.equal(sf["input_ids"].reshape(-1), s.input_ids[:n].to(sf["input_ids"].dtype))
+        assert not bool(sf["loss_mask"].reshape(-1)[image[:n]].any())
+        sp = load_file(tmp_path / "sp" / "hidden_states" / f"hs_{i}.safetensors")
+        assert torch.equal(sp["token_ids"], s.input_ids[:n].to(torch.int64))
+        seen += int(image[:n].sum())
+    assert seen > 0
+    import datasets
+
+    sp_rows = datasets.load_from_disk(str(tmp_path / "sp"))
+    for i in range(len(ds)):
+        image = ds[i].vision["image_mask"].bool()[: len(sp_rows[i]["loss_mask"])]
+        assert not bool(torch.as_tensor(sp_rows[i]["loss_mask"])[image].any())
+    for name in ("sf", "sp", "sae"):
+        note = json.loads((tmp_path / name / "hsx_export.json").read_text())["vision"]
+        assert note["image_token_id"] == image_token
+        assert any("mrope_positions" in line for line in note["not_in_this_export"])
+        assert any("images" in line for line in note["not_in_this_export"])

@@ -6,6 +6,7 @@ The three exports keep image tokens out of the loss and record what they do not 
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -165,3 +166,35 @@ def test_the_exports_keep_image_tokens_out_of_the_loss_and_say_what_they_leave_o
         assert note["image_token_id"] == image_token
         assert any("mrope_positions" in line for line in note["not_in_this_export"])
         assert any("images" in line for line in note["not_in_this_export"])
+
+
+def test_the_notebook_shows_image_tokens_apart(out, tmp_path, monkeypatch):
+    import nbformat
+    from nbclient import NotebookClient
+    from test_notebook import CELL_TIMEOUT_S, NOTEBOOK, kernel_manager
+
+    from hsx import analysis as A
+
+    ds = hsx.open(out)
+    table = A.token_table(ds)
+    image_token = ds.metadata["vision"]["image_token_id"]
+    assert (table["is_image"] == (table["token_id"] == image_token)).all() and table["is_image"].any()
+    kinds, title = A.token_split(ds, table)
+    assert set(kinds.unique()) == {"prompt", "completion", "image"} and title.endswith("vs image")
+    monkeypatch.setenv("HSX_SHARDS", str(out))
+    monkeypatch.delenv("MPLBACKEND", raising=False)
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    NotebookClient(nb, km=kernel_manager(tmp_path), timeout=CELL_TIMEOUT_S,
+                   resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    # the tiny model's config names Qwen's bos/eos ids, outside its 517-token vocabulary: transformers says so
+    # when the notebook loads it; any other warning fails
+    warned = [line for o in outputs if o.get("name") == "stderr" for line in o.get("text", "").splitlines()
+              if line.strip() and not re.search(r"(bos|eos)_token_id must be `None` or an integer within the vocabulary", line)]
+    assert not warned, warned
+    text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+    n_image = int(table["is_image"].sum())
+    assert f"{n_image} image-token rows, {len(table) - n_image} text rows" in text
+    html = "".join(o.get("data", {}).get("text/html", "") for o in outputs)
+    assert "image tokens: mean |h|" in html

@@ -196,3 +196,81 @@ def test_what_is_not_run_with_a_draft_is_refused_before_the_first_forward(root):
         VisionEngine(t.model, groups_of(t), t.spec, draft_model=build_tiny_llama(2, 64, 100))
     with pytest.raises(HsxError, match="speculative settings given without a draft model"):
         VisionEngine(t.model, groups_of(t), t.spec, spec_settings=CHAINS["k3"])
+
+
+def save_head(head, out):
+    """``head`` in SGLang's EAGLE3 format under ``out``."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from hsx.heads.load import _expected
+
+    out = Path(out)
+    out.mkdir(parents=True)
+    config = {**head.head_config, "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+              "draft_vocab_size": head.draft_vocab, "vocab_size": head.target_vocab,
+              "target_hidden_size": head.target_hidden}
+    (out / "config.json").write_text(json.dumps(config))
+    save_file({k: p.detach().contiguous() for k, p in _expected(head).items()}, str(out / "model.safetensors"))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["twin", "head"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "llava"])
+def test_extract_with_a_draft_stores_rows_that_match_the_oracle(family, kind, images, root, tmp_path):
+    """``hsx extract --draft-model`` on a vision-language target: the speculative and vision records, the tokens
+    of plain greedy decoding, every row (the head's eagle3 column included) its teacher-forced forward's."""
+    import json
+
+    import hsx
+    from hsx.config import ExtractConfig
+    from hsx.run.pipeline import extract
+    from vl_models import oracle
+
+    t = target(family, root)
+    draft = draft_of(t, kind)
+    if kind == "head":
+        draft_path = save_head(draft, tmp_path / "head")
+    else:
+        draft.save_pretrained(tmp_path / "twin")
+        draft_path = tmp_path / "twin"
+    data = [{"id": f"r{i}", **r} for i, r in enumerate(rows(images))]
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in data))
+    layers = "0,2,final" + (",eagle3" if kind == "head" else "")
+    cfg = ExtractConfig(model=str(t.path), dataset=str(path), output=str(tmp_path / "out"), id_field="id",
+                        dtype="float32", model_dtype="float32", layers=layers, mode="generate", max_new_tokens=6,
+                        batch_size=3, draft_model=str(draft_path), spec_num_steps=3)
+    summary = extract(cfg, progress=False)
+    assert (summary.samples, summary.errors) == (3, 0)
+    ds = hsx.open(tmp_path / "out")
+    record = ds.metadata["speculative"]
+    assert record["algorithm"] == ("EAGLE3" if kind == "head" else "draft-model") and record["num_draft_tokens"] == 4
+    assert ds.metadata["vision"]["draft_at_image_tokens"].startswith("placeholder token embeddings")
+    renderer = Renderer(t.tok, "generate", vision=(t.spec, t.processor))
+    prompts = [renderer.render(r, i) for i, r in enumerate(rows(images))]
+    sampling = SamplingSettings(max_new_tokens=6, stop_token_ids=(t.tok.eos_token_id,))
+    plain = VisionEngine(t.model, groups_of(t), t.spec, store_dtype=torch.float32).generate(prompts, sampling)
+    by_id = {s.sample_id: s for s in ds}
+    for i, (prompt, p) in enumerate(zip(prompts, plain, strict=True)):
+        sample = by_id[f"r{i}"]
+        ids = torch.as_tensor(sample.input_ids).long()
+        assert torch.equal(ids, p.sample.input_ids)
+        assert sample.accept_lens is not None and len(sample.accept_lens) > 0
+        norm_input = {}  # boundary L: the final norm's input (the oracle's last entry is the norm's output)
+        hook = t.model.model.language_model.norm.register_forward_pre_hook(
+            lambda m, args: norm_input.__setitem__("x", args[0][0].clone()))
+        try:
+            hs, _ = oracle(t, prompt, ids)
+        finally:
+            hook.remove()
+        n, num_layers = ids.numel() - 1, len(hs) - 1
+        hs = {**dict(enumerate(hs[:num_layers])), num_layers: norm_input["x"][None], "final": hs[num_layers]}
+        # the head's ids 0, 1, 2 name the outputs of blocks 0, 1, 2: boundaries 1, 2, 3 (= L)
+        sources = {"b0": [0], "b2": [2], "final": ["final"], "eagle3": [1, 2, 3]}
+        for name in ("b0", "b2", "final") + (("eagle3",) if kind == "head" else ()):
+            want = torch.cat([hs[b][0, :n] for b in sources[name]], -1)
+            err = (sample.hidden(name).float() - want).abs().max().item() / want.abs().max().item()
+            assert err < 1e-5, (f"r{i}", name, err)

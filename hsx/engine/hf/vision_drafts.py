@@ -57,6 +57,10 @@ class VisionDrafts(Drafting):
         if self.spec.topk != 1:
             raise HsxError(f"vision-language target ({model_type}): draft trees (topk {self.spec.topk}) are not run "
                            "on vision-language targets; draft a chain (--spec-topk 1)")
+        if getattr(getattr(draft_model, "config", None), "vision_config", None) is not None:
+            raise HsxError(f"vision-language target ({model_type}): the draft is a vision-language model "
+                           f"({type(draft_model).__name__}); a draft is a text causal LM sharing the tokenizer, or an "
+                           "EAGLE3 head")
         if self.head:
             # a one-layer head with its own attention: full attention over the slots the engine shows it
             self.draft = Driven(draft_model.eval(), AttentionPlan({FULL: None}, False), None)

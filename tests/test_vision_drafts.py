@@ -274,3 +274,9 @@ def test_extract_with_a_draft_stores_rows_that_match_the_oracle(family, kind, im
             want = torch.cat([hs[b][0, :n] for b in sources[name]], -1)
             err = (sample.hidden(name).float() - want).abs().max().item() / want.abs().max().item()
             assert err < 1e-5, (f"r{i}", name, err)
+    from typer.testing import CliRunner
+
+    from hsx.cli import app
+
+    result = CliRunner().invoke(app, ["verify", "--recompute", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output

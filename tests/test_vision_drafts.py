@@ -19,7 +19,7 @@ from test_families import random_head
 from test_vision import check_rows, groups_of, rows
 from vl_models import build_vl, draw
 
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "llava")
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "llava")
 CHAINS = {"k1": SpecSettings(num_steps=1, topk=1, num_draft_tokens=2),
           "k3": SpecSettings(num_steps=3, topk=1, num_draft_tokens=4)}
 MAX_NEW = 8
@@ -52,7 +52,7 @@ def text_twin(t):
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     text = t.model.config.get_text_config(decoder=True).to_dict()
-    cls = {"qwen2_5_vl": Qwen2Config, "qwen3_vl": Qwen3Config, "llava": LlamaConfig}[t.family]
+    cls = {"qwen2_5_vl": Qwen2Config, "qwen2_vl": Qwen2Config, "qwen3_vl": Qwen3Config, "llava": LlamaConfig}[t.family]
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act", "max_position_embeddings", "attention_bias")
     config = cls(**{k: text[k] for k in keep if k in text}, rope_parameters={"rope_type": "default",
@@ -78,10 +78,11 @@ def draft_of(t, kind: str):
     return text_twin(t) if kind == "twin" else random_draft(t)
 
 
-def run(t, images, draft, chain, batched: bool, **kw):
+def run(t, images, draft, chain, batched: bool, stops=None, temperature: float = 0.0):
     renderer = Renderer(t.tok, "generate", vision=(t.spec, t.processor))
     prompts = [renderer.render(r, i) for i, r in enumerate(rows(images))]
-    sampling = SamplingSettings(max_new_tokens=MAX_NEW, stop_token_ids=kw.pop("stops", (t.tok.eos_token_id,)))
+    sampling = SamplingSettings(max_new_tokens=MAX_NEW, temperature=temperature, seed=3,
+                                stop_token_ids=(t.tok.eos_token_id,) if stops is None else stops)
     batches = [prompts] if batched else [[p] for p in prompts]
     engine = VisionEngine(t.model, groups_of(t), t.spec, store_dtype=torch.float32, draft_model=draft,
                           spec_settings=chain)
@@ -153,6 +154,17 @@ def test_image_rows_accept_drafts_of_a_draft_that_sees_what_the_target_sees(fami
         assert float(torch.cat(accept).float().mean()) >= 2, accept  # mostly accepted
     else:
         assert len({tuple(a.tolist()) for a in accept}) > 1, accept  # the rows accepted differently
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava"])
+def test_sampled_rows_match_a_teacher_forced_forward(family, images, root):
+    """Sampling (one seeded target sample per verify position, a draft accepted when it equals the sample at its
+    parent): every row equals the oracle's over the tokens sampled."""
+    t = blind(target(family, root))
+    prompts, got, _, engine = run(t, images, text_twin(t), CHAINS["k3"], True, temperature=0.3)
+    for prompt, vs in zip(prompts, got, strict=True):
+        check_rows(t, prompt, vs, engine.groups, "generate")
+    assert int(torch.cat([vs.sample.accept_lens for vs in got]).max()) > 1
 
 
 def test_a_stop_token_inside_an_accepted_chain_ends_the_sample_there(images, root):

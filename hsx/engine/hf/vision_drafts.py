@@ -102,7 +102,8 @@ class VisionDrafts(Drafting):
 
 
 def generate_speculative(engine, prompts, sampling: SamplingSettings):
-    """``engine.generate`` with ``engine.drafts`` drafting; ``(samples by row, batch)`` as the plain path's."""
+    """``engine.generate`` with ``engine.drafts`` drafting: the finished samples by batch row and the batch's
+    inputs (``engine._batch``), which the engine turns into :class:`hsx.engine.hf.vision.VisionSample` s."""
     from transformers import DynamicCache
 
     drafts: VisionDrafts = engine.drafts

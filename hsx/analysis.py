@@ -54,6 +54,7 @@ class _Flat:
     rows: np.ndarray  # [S] hidden rows per sample
     row_owner: np.ndarray | None = None  # [R] sample of each stored row, samples in order
     row_pos: np.ndarray | None = None  # [R] its position (every covered one unless --keep chose fewer)
+    image: np.ndarray | None = None  # [T] bool, image tokens (a vision-language output), else None
 
 
 def _lengths(col) -> np.ndarray:
@@ -65,7 +66,8 @@ def _flatten(col) -> np.ndarray:
 
 
 def _flat(ds) -> _Flat:
-    t = ds.table(["sample_id", "input_ids", "prompt_len", "loss_mask", "accept_lens"])
+    vision = bool(ds.metadata.get("vision"))
+    t = ds.table(["sample_id", "input_ids", "prompt_len", "loss_mask", "accept_lens"] + (["image_mask"] if vision else []))
     n_tok = _lengths(t.column("input_ids"))
     prompt = t.column("prompt_len").to_numpy().astype(np.int64)
     loss_mask = _flatten(t.column("loss_mask")).astype(np.uint8)
@@ -84,6 +86,7 @@ def _flat(ds) -> _Flat:
         rows=np.bincount(owner, minlength=len(n_tok)).astype(np.int64),
         row_owner=owner,
         row_pos=pos,
+        image=_flatten(t.column("image_mask")).astype(bool) if vision else None,
     )
 
 
@@ -143,7 +146,8 @@ def token_table(ds, tokenizer=None) -> pd.DataFrame:
     Columns: ``sample`` (index in ``ds``), ``sample_id``, ``position``, ``token_id``, ``next_token_id``
     (the token the row's state predicts; -1 after the last token), ``is_prompt``, ``loss_mask``,
     ``accept_step`` (module docstring; <NA> for prompt tokens and samples without accept lengths),
-    and with a tokenizer ``token`` and ``next_token`` (decoded text of each single token).
+    ``is_image`` on a vision-language output (the row's token is an image token), and with a
+    tokenizer ``token`` and ``next_token`` (decoded text of each single token).
     """
     f = _flat(ds)
     owner, pos = _row_index(f)
@@ -163,6 +167,8 @@ def token_table(ds, tokenizer=None) -> pd.DataFrame:
         "loss_mask": f.loss_mask[at],
         "accept_step": step,
     })
+    if f.image is not None:
+        df["is_image"] = f.image[at]
     if tokenizer is not None:
         text = token_texts(tokenizer, np.concatenate([df["token_id"].to_numpy(), next_id]))
         df["token"] = df["token_id"].map(text)
@@ -175,10 +181,16 @@ def token_split(ds, table: pd.DataFrame) -> tuple[pd.Series, str]:
 
     generate mode: ``prompt`` / ``completion``. prefill mode has no completion (every token is
     prompt), so it splits by ``loss_mask`` instead: ``assistant`` (tokens learned from) / ``context``.
+    On a vision-language output image tokens are a third kind, ``image``.
     """
     if ds.metadata["mode"] == "prefill":
-        return table["loss_mask"].astype(bool).map({True: "assistant", False: "context"}), "assistant vs context (loss_mask)"
-    return table["is_prompt"].map({True: "prompt", False: "completion"}), "prompt vs completion"
+        kinds = table["loss_mask"].astype(bool).map({True: "assistant", False: "context"})
+        title = "assistant vs context (loss_mask)"
+    else:
+        kinds, title = table["is_prompt"].map({True: "prompt", False: "completion"}), "prompt vs completion"
+    if "is_image" in table:
+        kinds, title = kinds.where(~table["is_image"], "image"), title + " vs image"
+    return kinds, title
 
 
 def token_texts(tokenizer, ids) -> dict[int, str]:

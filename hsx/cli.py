@@ -78,6 +78,7 @@ def verify(
     recompute_chunk: Annotated[str, _opt("--recompute: a sample longer than N tokens is checked alone, N tokens at a time through a KV cache, its memory bounded by N: N, off (every sample in one forward) or auto (N = 2048, fewer above 16,384 tokens so that a chunk's attention mask stays within 2^25 entries, at least 256).")] = "auto",
     rtol: Annotated[Optional[float], _opt("--recompute: per-row relative error limit (default: by stored and compute dtypes, see docs/RECOMPUTE.md).")] = None,
     trust_remote_code: Annotated[bool, _opt("--recompute: allow the model repository to run its own code.", "--trust-remote-code")] = False,
+    dataset: Annotated[Optional[str], _opt("--recompute of a vision-language output whose images came from a dataset column: the run's dataset where it is now (default: the source in the metadata).")] = None,
     quiet: Quiet = False,
     verbose: Verbose = False,
 ) -> None:
@@ -107,7 +108,7 @@ def verify(
                 model_config(recorded, "the shards' model (another copy: --model)", tokenizer=False)
         checked = run_recompute(path, model=model, device=device, dtype=model_dtype, samples=samples, seed=seed,
                                 batch_size=batch_size, rtol=rtol, force=force, trust_remote_code=trust_remote_code,
-                                progress=not quiet and not as_json, chunk=recompute_chunk)
+                                progress=not quiet and not as_json, chunk=recompute_chunk, dataset=dataset)
     if as_json:
         out = {**dataclasses.asdict(report), "ok": report.ok}
         if recompute:

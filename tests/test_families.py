@@ -431,14 +431,15 @@ def test_hsx_extract_tree_decoding_past_the_window(family, tmp_path):
 # ---- EAGLE3 heads on every attention family ----------------------------------------------------
 # (the recurrent families and DeepSeek-V4 have theirs in tests/test_recurrent.py and tests/test_compressed.py)
 
-def random_head(model, seed: int = 0):
-    """A random EAGLE3 head drafting from boundaries 0, 1 and 2 of ``model``."""
-    hidden = model.config.hidden_size
+def random_head(model, seed: int = 0, vocab: int = VOCAB):
+    """A random EAGLE3 head drafting from boundaries 0, 1 and 2 of ``model`` (its text model, on a
+    vision-language target) for a target vocabulary of ``vocab``."""
+    hidden = model.config.get_text_config(decoder=True).hidden_size
     config = {"hidden_size": hidden, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 2 * hidden,
               "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return Eagle3Head(config, model.get_input_embeddings(), VOCAB).float().eval()
+        return Eagle3Head(config, model.get_input_embeddings(), vocab).float().eval()
 
 
 @pytest.mark.parametrize("family,mode", [(f, m) for f in ALL if f not in STATEFUL for m in ("chain", "tree")])

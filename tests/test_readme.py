@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 from hsx.cli import app
 from hsx.demo.models import build_tiny_llama, make_layerskip_draft
 from hsx.demo.tokenizer import build_demo_tokenizer
+from vl_models import build_vl, draw
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -146,7 +147,20 @@ def tour(tmp_path_factory) -> Path:
     rows = PROMPTS.read_text().splitlines()[:12]
     (root / "my_data.jsonl").write_text("\n".join(rows) + "\n")
     shutil.copytree(ROOT / "notebooks", root / "notebooks")
+    # the Images example: a tiny Qwen2.5-VL, the picture it names, and its chat line as the dataset
+    build_vl("qwen2_5_vl", root / "my_vl_model")
+    (root / "photos").mkdir()
+    draw(root / "photos" / "cat.png", 64, 96, 1)
+    (root / "my_images.jsonl").write_text(image_chat_line() + "\n")
     return root
+
+
+def image_chat_line() -> str:
+    """The README's example row with an image (its one text block that is a JSON object)."""
+    lines = [body.strip() for lang, body, _ in code_blocks(README.read_text())
+             if lang == "text" and body.strip().startswith("{")]
+    assert len(lines) == 1 and json.loads(lines[0])["messages"][0]["content"][0]["type"] == "image", lines
+    return lines[0]
 
 
 def tool_env() -> dict[str, str]:
@@ -201,6 +215,9 @@ def test_the_tour_runs_as_written(tour, monkeypatch):
     assert outputs and not [o for o in outputs if o.output_type == "error"]
     assert "ShardDataset(12 samples" in "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
     assert json.loads((tour / "out" / "run1" / ".hsx-config.json").read_text())["draft_model"] == "my_draft"
+    vl = hsx.open(tour / "out" / "run3")
+    assert len(vl) == 1 and vl.metadata["vision"]["model_type"] == "qwen2_5_vl"
+    assert vl[0].vision["images"][0]["source"] == "photos/cat.png" and int(vl[0].vision["image_mask"].sum()) > 0
 
 
 def test_the_demo_check_accepts_other_times_and_refuses_other_figures(tmp_path, capsys):

@@ -240,3 +240,71 @@ def test_check_samples_takes_an_engines_samples_in_memory(clean):
     samples[2].hidden["b1"] = torch.cat([shifted[:1], shifted[:-1]])
     results = check_samples(ref, samples, groups, tol, "prefill")
     assert [r.verdict for r in results] == ["ok", "ok", "misaligned"]
+
+
+@pytest.fixture(scope="module")
+def from_columns(tmp_path_factory):
+    """A Qwen2.5-VL output whose images came from a `datasets` Image column (a `save_to_disk` directory)."""
+    import datasets
+
+    root = tmp_path_factory.mktemp("columns")
+    path = build_vl("qwen2_5_vl", root / "model")
+    a, b = draw(root / "a.png", 64, 96, 1), draw(root / "b.png", 120, 50, 2)
+    text = lambda t: [{"type": "text", "text": t}]  # one content type for Arrow: lists of parts throughout
+    rows = datasets.Dataset.from_dict({
+        "id": ["pair", "text", "one"],
+        "messages": [[{"role": "user", "content": [{"type": "image"}, *text("compare"), {"type": "image"}]},
+                      {"role": "assistant", "content": text("they differ")}],
+                     [{"role": "user", "content": text("no picture")}, {"role": "assistant", "content": text("fine")}],
+                     [{"role": "user", "content": [{"type": "image"}, *text("what?")]},
+                      {"role": "assistant", "content": text("a shape")}]],
+        "images": [[b, a], [], [a]],
+    }).cast_column("images", datasets.Sequence(datasets.Image()))
+    rows.save_to_disk(str(root / "data"))
+    out = root / "out"
+    extract(ExtractConfig(model=str(path), dataset=str(root / "data"), output=str(out), id_field="id", dtype="float32",
+                          model_dtype="float32", layers="final,0,2", mode="prefill", batch_size=3), progress=False)
+    return SimpleNamespace(root=root, out=out, rows=rows, images=(a, b))
+
+
+def test_images_from_a_dataset_column_are_read_again_from_the_runs_rows(from_columns, tmp_path):
+    f = from_columns
+    ds = hsx.open(f.out)
+    assert [im["source"] for im in ds[0].vision["images"]] == ["column images[0]", "column images[1]"]
+    code, report = recompute_cli(f.out)
+    checked = report["recompute"]["samples"]
+    assert code == 0 and [s["verdict"] for s in checked] == ["ok"] * 3, checked
+    assert sum(s["rows"] for s in checked) == sum(len(s.input_ids) for s in ds)  # prefill: a row per token
+    # the dataset moved: refused in one line, until --dataset says where it is
+    moved = tmp_path / "moved"
+    shutil.move(f.root / "data", moved)
+    try:
+        result = runner.invoke(app, ["verify", str(f.out), "--recompute"])
+        assert isinstance(result.exception, HsxError), result.output
+        assert "cannot open the run's dataset" in str(result.exception) and "--dataset" in str(result.exception)
+        assert "\n" not in str(result.exception)
+        ok = runner.invoke(app, ["verify", str(f.out), "--recompute", "--dataset", str(moved)])
+        assert ok.exit_code == 0, ok.output
+    finally:
+        shutil.move(moved, f.root / "data")
+
+
+def test_a_changed_image_in_the_datasets_column_is_refused(from_columns, tmp_path):
+    """The same rows with the first sample's images in the other order: its image 0 is not the one the run read."""
+    import datasets
+
+    f = from_columns
+    a, b = f.images
+    changed = datasets.Dataset.from_dict({"id": f.rows["id"], "messages": f.rows["messages"],
+                                          "images": [[a, b], [], [a]]}
+                                         ).cast_column("images", datasets.Sequence(datasets.Image()))
+    changed.save_to_disk(str(tmp_path / "changed"))
+    result = runner.invoke(app, ["verify", str(f.out), "--recompute", "--dataset", str(tmp_path / "changed")])
+    assert isinstance(result.exception, HsxError), result.output
+    message = str(result.exception)
+    assert message.startswith("sample 'pair' image 0: 'column images[0]' has changed since the run"), message
+    # the run's first two rows only: the third sample's row is not there
+    fewer = f.rows.select(range(2))
+    fewer.save_to_disk(str(tmp_path / "fewer"))
+    result = runner.invoke(app, ["verify", str(f.out), "--recompute", "--dataset", str(tmp_path / "fewer")])
+    assert isinstance(result.exception, HsxError) and "no row 2" in str(result.exception), result.output

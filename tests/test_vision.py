@@ -224,7 +224,8 @@ def test_bad_image_rows_are_error_records_naming_the_part(target, images):
 
 def test_what_is_not_run_is_refused_before_the_first_forward(target):
     t = target
-    with pytest.raises(HsxError, match=re.escape(f"vision-language target ({t.spec.model_type}): speculative decoding")):
+    with pytest.raises(HsxError, match=re.escape(f"vision-language target ({t.spec.model_type}): the draft is a "
+                                                 "vision-language model")):
         VisionEngine(t.model, groups_of(t), t.spec, draft_model=t.model)
 
 
@@ -327,13 +328,13 @@ def test_server_engines_refuse_a_vision_language_target_before_loading(target, t
         load_configs(cfg)
 
 
-def test_a_draft_on_a_vision_language_target_is_refused_before_it_loads(target, tmp_path):
+def test_a_draft_tree_on_a_vision_language_target_is_refused_before_it_loads(target, tmp_path):
     from hsx.config import ExtractConfig
     from hsx.engine.hf.runner import HFRunner
 
     cfg = ExtractConfig(model=str(target.path), dataset="unused.jsonl", output=str(tmp_path / "out"),
-                        draft_model=str(target.path))
-    with pytest.raises(HsxError, match=f"vision-language target \\({target.family}\\): speculative decoding"):
+                        draft_model=str(tmp_path / "no-draft"), spec_topk=4)
+    with pytest.raises(HsxError, match=f"vision-language target \\({target.family}\\): draft trees \\(--spec-topk 4\\)"):
         HFRunner(cfg)
 
 

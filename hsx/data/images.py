@@ -33,6 +33,7 @@ re-encoded without a pixel change keeps its hash and any pixel change alters it.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -42,6 +43,7 @@ from hsx.errors import HsxError, SampleError
 
 IMAGE_PARTS = ("image", "image_url", "input_image")
 IMAGE_COLUMNS = ("images", "image")  # where a part without a value takes its image from, in this order
+COLUMN_SOURCE = re.compile(r"column (\w+)\[(\d+)\]")  # an image's stored source when it came from a dataset column
 # Families whose placeholders hsx expands (model_type -> how the processor counts an image's tokens).
 MERGED_GRID = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # tokens = t * h * w // merge_size ** 2 of image_grid_thw
 # Families that add vision features (deepstack) to the hidden states at image tokens after their first blocks.
@@ -130,6 +132,13 @@ class ImageColumn:
                                               f"but {have}")
         k, self.used = self.used, self.used + 1
         return f"column {self.name}[{k}]", self._open(self.values[k], f"{where} (column {self.name!r} image {k})")
+
+    def get(self, name: str, k: int, where: str):
+        """Image ``k`` of column ``name`` (as a stored source ``column NAME[k]`` names it), as an RGB image."""
+        if self.name != name or not 0 <= k < len(self.values):
+            have = f"column {self.name!r} holds {len(self.values)}" if self.name else "the row has no 'images' or 'image' column"
+            raise SampleError(self.sample_id, f"{where}: expected image {k} of column {name!r}, but {have}")
+        return self._open(self.values[k], f"{where} (column {name!r} image {k})")
 
     def _open(self, value, where: str):
         if hasattr(value, "convert"):  # a PIL image (datasets' decoded Image feature)

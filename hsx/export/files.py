@@ -22,6 +22,10 @@ from hsx.shards.shard import own  # noqa: F401  (the exports' helper, defined wi
 from hsx.storage.store import is_remote
 
 INFO = "hsx_export.json"
+# an EAGLE3 export's rows at image tokens, and what a draft is given there (the export record's vision note)
+DRAFT_AT_IMAGES = ("the target's states there (boundary 0: the merged text and vision embeddings); a trainer that embeds "
+                   "input_ids gives the draft the image token's own embedding at them, as SGLang's EAGLE3 draft reportedly "
+                   "is given; vLLM's draft is given the vision embeddings there")
 
 
 def source_name(src) -> str:
@@ -103,3 +107,25 @@ def claim(dst: Path, info: dict, foreign: Callable[[Path], bool]) -> None:
     elif foreign(dst):
         raise HsxError(f"{dst} already holds files but no {INFO}: not an hsx export; export into a new directory")
     write_json(path, {**info, "complete": False})
+
+
+def vision_note(meta: dict, rows_hold: str) -> dict | None:
+    """What an export of a vision-language output carries of its images and what a multimodal trainer needs
+    beyond it (the export record's ``vision``); None for a text output. ``rows_hold`` says what the
+    export's own rows at image tokens are."""
+    v = meta.get("vision")
+    if not v:
+        return None
+    beyond = ["the images: each sample's paths, pixel hashes, sizes and grids are in "
+              "hsx.open(SOURCE)[i].vision['images'] (a trainer that runs the vision tower reads the pixels from them)"]
+    if v.get("mrope"):
+        beyond.append("the 3-D mRoPE positions [3, N] and rope_delta of each sample: hsx.open(SOURCE)[i].vision "
+                      "['mrope_positions', 'rope_delta'] (the token order of this export is 1-D)")
+    note = {"model_type": v.get("model_type"), "image_token_id": v.get("image_token_id"),
+            "image_tokens": "input_ids hold each image as its block of image tokens, expanded to the processor's "
+                            "count as the model ran; loss_mask is 0 on them, so no image token is learned",
+            "rows_at_image_tokens": rows_hold, "not_in_this_export": beyond}
+    if v.get("deepstack"):
+        note["deepstack"] = v["deepstack"]
+    return note
+

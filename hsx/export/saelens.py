@@ -37,7 +37,7 @@ import pyarrow as pa
 import torch
 
 from hsx.errors import HsxError
-from hsx.export.files import INFO, all_finite, claim, clean_temps, fingerprint, source_name, write_json
+from hsx.export.files import INFO, all_finite, claim, clean_temps, fingerprint, source_name, vision_note, write_json
 from hsx.export.hfdisk import STATE, DiskDatasetWriter
 from hsx.export.layers import BoundarySlice, find_boundary, num_layers_of
 from hsx.shards import ShardDataset, open_shards
@@ -153,7 +153,9 @@ def _info(meta: dict, source: str, samples: int, params: dict, width: int) -> di
             "d_in": width, "keep": meta.get("keep", "all"), "mode": meta.get("mode"), "model": meta.get("model"),
             "packing": ("samples back to back in dataset order, no separator; last partial context dropped"
                         if params["concat"] else
-                        "one context per sample (its first context_size rows); shorter samples dropped")}
+                        "one context per sample (its first context_size rows); shorter samples dropped"),
+            **({"vision": vision_note(meta, "their activations, packed with the text rows; token_ids equal "
+                                            "image_token_id there, which tells them apart")} if meta.get("vision") else {})}
 
 
 def _finished(dst: Path, info: dict) -> dict | None:

@@ -33,7 +33,8 @@ import torch
 from hsx.eagle3.dataset import Eagle3Dataset, check_eagle3_layout, load_draft_config
 from hsx.eagle3.vocab import count_loss_tokens, vocab_mapping
 from hsx.errors import HsxError
-from hsx.export.files import INFO, all_finite, atomic_write, claim, clean_temps, fingerprint, inside, own, source_name, write_json
+from hsx.export.files import (DRAFT_AT_IMAGES, INFO, all_finite, atomic_write, claim, clean_temps, fingerprint, inside, own,
+                              source_name, vision_note, write_json)
 from hsx.shards.reader import open_shards
 
 GROUP = 2000  # files per rows_* directory, SpecForge's default --file-group-size
@@ -130,6 +131,9 @@ def export_specforge(src: str | Path, dst: str | Path, *, draft_vocab_size: int 
         "draft_vocab_size": draft_vocab_size, "target_vocab_size": vocab_size, "target_vocab_size_from": vocab_from,
         "files_per_directory": GROUP,
     }
+    note = vision_note(meta, DRAFT_AT_IMAGES)
+    if note:
+        info["vision"] = note
     claim(dst, info, lambda d: any(p.name.startswith("rows_") for p in d.iterdir()))
     for d in [dst, dst / VOCAB.parent, *dst.glob("rows_*")]:
         clean_temps(d)

@@ -36,8 +36,8 @@ import pyarrow as pa
 import torch
 
 from hsx.errors import AlignmentError, HsxError
-from hsx.export.files import (INFO, all_finite, atomic_write, claim, clean_temps, fingerprint, inside, source_name,
-                              write_json)
+from hsx.export.files import (DRAFT_AT_IMAGES, INFO, all_finite, atomic_write, claim, clean_temps, fingerprint, inside,
+                              source_name, vision_note, write_json)
 from hsx.export.hfdisk import DiskDatasetWriter
 from hsx.export.layers import BoundarySlice, find_boundary, num_layers_of, require_every_position
 from hsx.shards import ShardDataset, open_shards
@@ -165,7 +165,8 @@ def _info(meta: dict, source: str, aux: list[int], width: int) -> dict:
             "hidden_states": f"[T, {len(aux) + 1}, {width}]: boundaries {aux} (vLLM target_layer_ids, block "
                              f"inputs), then boundary {num_layers} (last block output, before the final norm)",
             "alignment": "row t = state after token t; " + ("generate mode: the last token (no state) dropped, T = N-1"
-                                                           if mode == "generate" else "prefill mode: T = N")}
+                                                           if mode == "generate" else "prefill mode: T = N"),
+            **({"vision": vision_note(meta, DRAFT_AT_IMAGES)} if meta.get("vision") else {})}
 
 
 def _write_states(path: Path, token_ids: torch.Tensor, states: torch.Tensor) -> int:

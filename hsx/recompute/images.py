@@ -1,9 +1,10 @@
 """The reference forward of a vision-language output: each sample's images re-read and its inputs rebuilt.
 
 For every sample of a batch, each stored image (``images`` column) is read again from its stored
-source path and its pixel hash compared with the stored one: a missing file, a file whose pixels
-changed, or an image that came from a dataset column rather than a file stops the recompute with one
-line naming the sample and the image. The image processor the model was saved with turns the images
+source and its pixel hash compared with the stored one: a file by its path; an image that came from
+a dataset column (``column images[k]``) from the run's dataset row, opened when first needed
+(:class:`DatasetRows`: the dataset the metadata records, or the one given). A missing file or row, or
+an image whose pixels changed, stops the recompute with one line naming the sample and the image. The image processor the model was saved with turns the images
 into pixels; each image's grid and token count must be the stored ones, its stored token block must
 hold the model's image token, and ``image_mask`` must be 1 exactly on those blocks.
 
@@ -18,7 +19,7 @@ both ways). Boundary 0 is ``hidden_states[0]``, the merged text and vision embed
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 
 from hsx.align import ModelShape
-from hsx.data.images import VisionSpec, image_hash, read_image
+from hsx.data.images import COLUMN_SOURCE, ImageColumn, VisionSpec, image_hash, read_image
 from hsx.errors import HsxError, SampleError
 from hsx.recompute.reference import Reference
 from hsx.recompute.results import Finding
@@ -38,6 +39,7 @@ class VisionReference(Reference):
 
     spec: VisionSpec | None = None
     processor: Any = None  # the model's image processor (PIL backend)
+    dataset_row: Callable[[int], Mapping] | None = None  # source index -> the run's input row (DatasetRows)
 
     @staticmethod
     def load(path: str, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False) -> VisionReference:
@@ -143,7 +145,7 @@ class VisionReference(Reference):
                            "at every image token, so this sequence cannot be recomputed as stored")
         if not stored:
             return None, None
-        images = [self._reread(sid, k, im) for k, im in enumerate(stored)]
+        images = [self._reread(sample, sid, k, im) for k, im in enumerate(stored)]
         pixel_values, grid, grid_list, counts = self.spec.pixels(self.processor, images)
         for k, (im, g, c) in enumerate(zip(stored, grid_list, counts)):
             if list(g) != list(im["grid"]) or c != im["num_tokens"]:
@@ -152,18 +154,21 @@ class VisionReference(Reference):
                                f"{im['num_tokens']} tokens (another image processor?)")
         return pixel_values, grid
 
-    @staticmethod
-    def _reread(sid: str, k: int, im: dict):
+    def _reread(self, sample, sid: str, k: int, im: dict):
         source = im["source"]
         where = f"sample {sid!r} image {k}"
-        if source == "inline" or source.startswith("column "):
-            raise HsxError(f"{where}: it came from the dataset ({source}), not a file; --recompute re-reads images "
-                           "by their stored path only")
-        if not Path(source).is_file():
-            raise HsxError(f"{where}: {source!r} does not exist; --recompute re-reads each image from the path the run "
-                           "read it from (relative paths from the working directory)")
+        column = COLUMN_SOURCE.fullmatch(source)
         try:
-            image = read_image(sid, where, source)
+            if column is not None:
+                image = self._from_dataset(sample, sid, where, column.group(1), int(column.group(2)))
+            elif source == "inline":
+                raise HsxError(f"{where}: it was given inline in the row, not as a file or a column; --recompute "
+                               "cannot read it again")
+            elif not Path(source).is_file():
+                raise HsxError(f"{where}: {source!r} does not exist; --recompute re-reads each image from the path the "
+                               "run read it from (relative paths from the working directory)")
+            else:
+                image = read_image(sid, where, source)
         except SampleError as e:
             raise HsxError(e.reason) from None
         found = image_hash(image)
@@ -171,6 +176,16 @@ class VisionReference(Reference):
             raise HsxError(f"{where}: {source!r} has changed since the run (pixel sha256 {found[:16]}..., the run "
                            f"stored {im['sha256'][:16]}...); restore the image the run read")
         return image
+
+    def _from_dataset(self, sample, sid: str, where: str, name: str, k: int):
+        if self.dataset_row is None:
+            raise HsxError(f"{where}: it came from the dataset's column {name!r}, and no dataset is open to read it "
+                           "again from")
+        index = getattr(sample, "source_index", None)
+        if index is None:
+            raise HsxError(f"{where}: it came from the dataset's column {name!r}, and the sample records no source "
+                           "index to find its row by")
+        return ImageColumn(sid, self.dataset_row(int(index))).get(name, k, where)
 
     def _check_positions(self, samples, sample_ids, inputs, grid, lengths) -> dict[int, list[Finding]]:
         """The stored mRoPE positions and rope_delta against the model's rope index over each whole sequence."""
@@ -206,4 +221,40 @@ class VisionReference(Reference):
 
 def _positions_finding(sid: str, first: int, last: int, rows: int, message: str) -> Finding:
     return Finding(sid, "mrope_positions", "", first, last, rows, "positions", "", float("inf"), message)
+
+
+class DatasetRows:
+    """The run's input rows by source index, opened on the first call (an output whose images are all files
+    never opens its dataset): the dataset and split the metadata records, or ``given``."""
+
+    def __init__(self, recorded: Mapping | None, given: str | None = None):
+        recorded = recorded or {}
+        self.source = given or recorded.get("source")
+        self.split = recorded.get("split") or "train"
+        self.num_rows = None if given else recorded.get("num_rows")
+        self._rows = None
+
+    def __call__(self, index: int) -> Mapping:
+        if self._rows is None:
+            self._rows = self._open()
+        if not 0 <= index < len(self._rows):
+            raise HsxError(f"dataset {self.source!r}: no row {index} (it has {len(self._rows)}); the run read "
+                           "another dataset")
+        return self._rows[index]
+
+    def _open(self):
+        from hsx.data.load import load_rows
+
+        if not self.source:
+            raise HsxError("the output's images came from a dataset column, and its metadata names no dataset: "
+                           "give --dataset")
+        try:
+            rows = load_rows(self.source, self.split)
+        except (HsxError, OSError, ValueError) as e:
+            raise HsxError(f"cannot open the run's dataset {self.source!r} (split {self.split!r}) to re-read the images "
+                           f"of its columns ({e}); give --dataset where it is now") from None
+        if self.num_rows is not None and len(rows) != int(self.num_rows):
+            raise HsxError(f"dataset {self.source!r} has {len(rows)} rows; the run read {self.num_rows} (another "
+                           "dataset, or it changed): give --dataset")
+        return rows
 

@@ -19,7 +19,7 @@ from hsx.align import LayerGroup
 from hsx.errors import HsxError
 from hsx.recompute import rows as R
 from hsx.recompute.chunked import check_in_chunks
-from hsx.recompute.images import VisionReference
+from hsx.recompute.images import DatasetRows, VisionReference
 from hsx.compare.check import Tolerance, check_segment
 from hsx.recompute.reference import Reference, neighbour_sources, same_width
 from hsx.shards.format import config_matches
@@ -196,6 +196,7 @@ def recompute(
     trust_remote_code: bool = False,
     progress: bool = True,
     chunk: int | str | None = "auto",
+    dataset: str | None = None,
 ) -> RecomputeReport:
     """Re-run a teacher-forced forward of the shards' model over their tokens and check every stored row.
 
@@ -204,6 +205,8 @@ def recompute(
     swapped between neighbouring samples are caught with the sample they belong to. ``chunk``: samples
     longer than this many tokens are checked alone, this many tokens at a time, their memory bounded
     by the chunk (``"auto"``: :func:`chunk_for`; ``None`` or ``"off"``: every sample in one forward).
+    ``dataset``: where the run's dataset is now, for a vision-language output whose images came from its
+    columns (default: the source the metadata records).
     """
     from hsx.shards.reader import open_shards
 
@@ -219,6 +222,8 @@ def recompute(
         chunk = None
     groups = [LayerGroup.from_description(g) for g in meta["layers"]]
     model_path, ref = _load_reference(meta, model, device, dtype, force, trust_remote_code, ds.model_path(), vision)
+    if vision:
+        ref.dataset_row = DatasetRows(meta.get("dataset"), dataset)  # opened only for an image from a column
     compute = str(ref.dtype).removeprefix("torch.")
     engine_dtype = (meta.get("engine") or {}).get("compute_dtype")
     tol = tolerance_for(meta["dtype"], engine_dtype, compute, rtol, recurrent=ref.recurrent)

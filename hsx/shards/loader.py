@@ -14,7 +14,8 @@ Batches are memory of their own: keeping one keeps only its rows.
   it is full, each incoming batch of rows replaces as many randomly chosen buffered rows, which
   are emitted. ``shuffle_buffer=0`` keeps storage order.
 - ``where`` picks rows by the position rules of :mod:`hsx.shards.positions` (all, completion,
-  loss, last) among the rows the shards store.
+  loss, last) among the rows the shards store; on a vision-language output also by the row's own
+  token (``image``, ``text``), alone or after a position rule (``loss,text``).
 - From an object store (``s3://``) each block's footer and column chunks are fetched by ranged
   reads, never a whole shard; its size is checked against the manifest and its pages' CRCs as they
   are read (the whole-file checksum would mean fetching it all). ``read_ahead`` (default 2) batches
@@ -80,7 +81,9 @@ class TokenLoader(IterableDataset):
             raise HsxError(f"{path}: no hidden-state column to load; columns: {ds.columns}")
         if unknown:
             raise HsxError(f"{path}: no hidden-state column(s) {unknown}; columns: {ds.columns}")
-        self.where = positions.check_rule(where, ds.metadata["mode"], "where")
+        self.where = positions.check_where(where, ds.metadata["mode"], bool(ds.metadata.get("vision")))
+        # a token rule (image, text) reads each sample's image_mask beside its ids and masks
+        self._base = _BASE + ([fmt.IMAGE_MASK.name] if positions.split_where(self.where)[1] else [])
         if batch_size < 1 or shuffle_buffer < 0:
             raise HsxError(f"batch_size must be >= 1 and shuffle_buffer >= 0; got {batch_size}, {shuffle_buffer}")
         self.batch_size, self.shuffle_buffer, self.seed, self.drop_last = batch_size, shuffle_buffer, seed, drop_last
@@ -136,14 +139,14 @@ class TokenLoader(IterableDataset):
             yield self._one_row(path, entry, f, block, meta, first, pieces)
             return
         for batch in f.iter_batches(batch_size=SAMPLES_PER_READ, row_groups=[block.row_group],
-                                    columns=_BASE + pieces + self.columns, use_threads=False):
+                                    columns=self._base + pieces + self.columns, use_threads=False):
             table = pa.Table.from_batches([batch])
             starts = table.column(pieces[0]).to_numpy() == 0 if pieces else np.ones(table.num_rows, bool)
             check_row_bytes(table, {**meta, "layers": self._layers}, str(path))
             hidden = {g["name"]: _raw_rows(table.column(g["name"]), meta, g) for g in self._layers}
             rows = column_rows(table.column(self._layers[0]["name"]), meta, self._layers[0])
             del batch
-            base = table.select(_BASE + pieces)
+            base = table.select(self._base + pieces)
             del table  # the hidden cells, decoded, are let go before the next batch is read
             yield self._rows(base, hidden, rows, meta, str(path), first - 1 + np.cumsum(starts), block)
             first += int(starts.sum())
@@ -155,7 +158,7 @@ class TokenLoader(IterableDataset):
         is read, so the memory is the decoded rows plus one column's read."""
         g = block.row_group
         try:
-            base = f.read_row_group(g, columns=_BASE + pieces, use_threads=False)
+            base = f.read_row_group(g, columns=self._base + pieces, use_threads=False)
         except (pa.ArrowException, OSError) as e:
             raise ShardError(f"{path}: unreadable Parquet ({e})") from None
         hidden, rows = {}, None
@@ -186,7 +189,8 @@ class TokenLoader(IterableDataset):
         ``rows`` [P] how many each Parquet row holds."""
         ids, prompt, mask = (base.column(c).combine_chunks() for c in _BASE)
         first_row = base.column(fmt.FIRST_ROW.name).to_numpy() if fmt.FIRST_ROW.name in base.column_names else None
-        labels = row_labels(meta, ids, prompt, mask, rows, where, self.where, first_row)
+        images = base.column(fmt.IMAGE_MASK.name).combine_chunks() if fmt.IMAGE_MASK.name in self._base else None
+        labels = row_labels(meta, ids, prompt, mask, rows, where, self.where, first_row, images)
         sample = sample_of[labels.owner]
         # a block shared by several consumers: each takes every parts-th sample
         wanted = labels.chosen & (sample % block.parts == block.part)

@@ -9,6 +9,11 @@ Row j is the state after consuming token j (it predicts token j+1). An engine co
 - ``loss``: positions whose next token has ``loss_mask`` 1 (what a draft head or probe learns);
 - ``last``: the last covered position (one row per sample, none for a sample with no rows).
 
+Readers (the token loader, ``ds.tokens``) may also pick rows by their own token in a vision-language
+output, from its ``image_mask``: ``image`` keeps the rows whose token is an image token, ``text`` the
+others. A reader's ``where`` is one rule or two joined by a comma, a position rule and a token rule
+(``loss,text``): the rows both keep.
+
 Positions are derived from a sample's own ``input_ids``, ``prompt_len`` and ``loss_mask``, so a
 shard stores no position column: the rule is applied again wherever positions are needed. All
 functions work on many samples at once (flat arrays, no Python loop over rows).
@@ -21,6 +26,7 @@ import numpy as np
 from hsx.errors import HsxError
 
 KEEP = ("all", "completion", "loss", "last")
+TOKEN_RULES = ("text", "image")  # readers only: the row's own token is (image) or is not (text) an image token
 
 
 def check_rule(rule: str, mode: str, what: str = "--keep") -> str:
@@ -30,6 +36,28 @@ def check_rule(rule: str, mode: str, what: str = "--keep") -> str:
         raise HsxError(f"{what} completion needs generate mode: in prefill mode every token is prompt "
                        "(use loss for the assistant tokens)")
     return rule
+
+
+def check_where(where: str, mode: str, has_images: bool, what: str = "where") -> str:
+    """A reader's ``where``: a position rule, a token rule, or both joined by a comma (module docstring)."""
+    parts = [p.strip() for p in str(where).split(",")]
+    rules = [p for p in parts if p in KEEP]
+    kinds = [p for p in parts if p in TOKEN_RULES]
+    if len(rules) + len(kinds) != len(parts) or len(rules) > 1 or len(kinds) > 1:
+        raise HsxError(f"{what} must be one of {', '.join(KEEP + TOKEN_RULES)}, or a position rule and a token rule "
+                       f"joined by a comma (e.g. 'loss,text'); got {where!r}")
+    if kinds and not has_images:
+        raise HsxError(f"{what} {where!r}: {kinds[0]} rows need the image_mask of a vision-language output; "
+                       "this output has none (every row is a text row)")
+    check_rule(rules[0] if rules else "all", mode, what)
+    return ",".join(rules + kinds) or "all"
+
+
+def split_where(where: str) -> tuple[str, str | None]:
+    """``(position rule, token rule or None)`` of a checked ``where``."""
+    parts = where.split(",")
+    rule = next((p for p in parts if p in KEEP), "all")
+    return rule, next((p for p in parts if p in TOKEN_RULES), None)
 
 
 def covered_rows(n_tokens: np.ndarray, mode: str) -> np.ndarray:
@@ -50,12 +78,27 @@ def candidates(n_tokens: np.ndarray, mode: str) -> tuple[np.ndarray, np.ndarray]
 
 
 def select(rule: str, mode: str, owner: np.ndarray, pos: np.ndarray, n_tokens: np.ndarray,
-           prompt_len: np.ndarray, loss_mask: np.ndarray, token_offsets: np.ndarray) -> np.ndarray:
-    """Boolean mask over rows ``(owner, pos)``: which of them ``rule`` keeps.
+           prompt_len: np.ndarray, loss_mask: np.ndarray, token_offsets: np.ndarray,
+           image_mask: np.ndarray | None = None) -> np.ndarray:
+    """Boolean mask over rows ``(owner, pos)``: which of them ``rule`` keeps (a reader's ``where``
+    may add a token rule, :func:`check_where`).
 
-    ``loss_mask`` is the flat concatenation of the samples' masks, ``token_offsets`` [S+1] its
-    sample boundaries; ``n_tokens`` and ``prompt_len`` are per sample.
+    ``loss_mask`` (and ``image_mask``, needed by a token rule) is the flat concatenation of the
+    samples' masks, ``token_offsets`` [S+1] its sample boundaries; ``n_tokens`` and ``prompt_len``
+    are per sample.
     """
+    rule, kind = split_where(rule)
+    keep = _select(rule, mode, owner, pos, n_tokens, prompt_len, loss_mask, token_offsets)
+    if kind is None:
+        return keep
+    if image_mask is None:
+        raise HsxError(f"the {kind} rule needs the samples' image_mask")
+    at = np.asarray(token_offsets, dtype=np.int64)[owner] + pos
+    is_image = np.asarray(image_mask)[at] == 1 if len(pos) else np.zeros(0, dtype=bool)
+    return keep & (is_image if kind == "image" else ~is_image)
+
+
+def _select(rule, mode, owner, pos, n_tokens, prompt_len, loss_mask, token_offsets) -> np.ndarray:
     n = np.asarray(n_tokens, dtype=np.int64)[owner]
     if rule == "all":
         return np.ones(len(pos), dtype=bool)

@@ -143,14 +143,16 @@ class RowLabels:
 
 
 def row_labels(meta: dict, input_ids: pa.ListArray, prompt_len: pa.Array, loss_mask: pa.ListArray,
-               rows: np.ndarray, where: str, rule: str = "all", first_row: np.ndarray | None = None) -> RowLabels:
+               rows: np.ndarray, where: str, rule: str = "all", first_row: np.ndarray | None = None,
+               image_mask: pa.ListArray | None = None) -> RowLabels:
     """Labels of the stored rows of a block of samples (one Arrow chunk per column), in ``where``.
 
     ``rows`` [S] are the block's stored row counts; they must match what the shard's ``keep`` rule
     gives for these tokens, else the rows would be labelled with the wrong positions. ``rule``
     (a :mod:`hsx.shards.positions` rule) marks the rows a reader wants in ``chosen``. A block of
     pieces (format 6, read without joining) gives each piece's ``first_row``: its rows are then the
-    sample's rows ``first_row .. first_row + rows - 1``, and ``owner`` numbers the pieces.
+    sample's rows ``first_row .. first_row + rows - 1``, and ``owner`` numbers the pieces. A rule
+    with a token rule (``image``, ``text``) needs the samples' ``image_mask``.
     """
     ids_off = input_ids.offsets.to_numpy().astype(np.int64)
     ids = input_ids.values.to_numpy().astype(np.int64)[ids_off[0]:]
@@ -180,7 +182,13 @@ def row_labels(meta: dict, input_ids: pa.ListArray, prompt_len: pa.Array, loss_m
     at = ids_off[owner] + pos
     has_next = pos + 1 < n_tok[owner]
     nxt = np.where(has_next, ids[np.minimum(at + 1, max(len(ids) - 1, 0))] if len(ids) else 0, -1)
-    chosen = positions.select(rule, meta["mode"], owner, pos, n_tok, prompt, mask, ids_off)
+    images = None
+    if image_mask is not None:
+        img_off = image_mask.offsets.to_numpy()
+        if not np.array_equal(np.diff(img_off), n_tok):
+            raise ShardError(f"{where}: image_mask lengths differ from the token counts of their samples")
+        images = image_mask.values.to_numpy()[img_off[0]:img_off[-1]]
+    chosen = positions.select(rule, meta["mode"], owner, pos, n_tok, prompt, mask, ids_off, images)
     return RowLabels(owner, pos, ids[at], nxt, chosen)
 
 
@@ -332,36 +340,46 @@ class ShardDataset:
         in_order = np.array_equal(self._index, np.arange(whole.num_rows))
         return whole if in_order else whole.take(pa.array(self._index))  # a select() view picks and reorders
 
-    def tokens(self, name: str, shard: int | None = None) -> TokenMatrix:
-        """All rows of column ``name`` (one shard, or every shard) with their sample and position, in dataset
-        order: samples as ``ds[i]`` numbers them, each one's rows in position order.
+    def tokens(self, name: str, shard: int | None = None, where: str = "all") -> TokenMatrix:
+        """The rows of column ``name`` (one shard, or every shard) with their sample and position, in dataset
+        order: samples as ``ds[i]`` numbers them, each one's rows in position order. ``where`` picks rows as
+        the token loader's does (:func:`hsx.shards.positions.check_where`: ``loss``, ``image``, ``loss,text``...).
 
         The matrix is allocated once and each row group is decoded straight into its rows (memory: the
-        matrix and one row group or piece being read); one row group in order is its block, a view."""
+        matrix and one row group or piece being read); one row group in order is its block, a view. A
+        ``where`` that drops some of a sample's rows decodes one shard's rows at a time and keeps the chosen."""
         if name not in self.columns:
             raise KeyError(f"no hidden-state column {name!r}; columns: {self.columns}")
+        where = positions.check_where(where, self.metadata["mode"], bool(self.metadata.get("vision")))
+        by_token = positions.split_where(where)[1] is not None
         shards = range(len(self._paths)) if shard is None else [shard]
         width = next(g["width"] for g in self.metadata["layers"] if g["name"] == name)
         dtype = fmt.dtype_of(self.metadata["dtype"])
-        owner, pos, tok, plan = [], [], [], []
+        owner, pos, tok, chosen, plan = [], [], [], [], []
         global_of = np.full(self._starts[-1], -1, dtype=np.int64)
         global_of[self._index] = np.arange(len(self._index))
         at = 0
         for k in shards:
             s = self._shard(k)
             ids, prompt, mask = (s.meta.column(c).combine_chunks() for c in ("input_ids", "prompt_len", "loss_mask"))
+            images = s.meta.column(fmt.IMAGE_MASK.name).combine_chunks() if by_token else None
             prow = parquet_row_rows(s, ids, prompt, mask)  # rows each Parquet row holds
             rows = np.add.reduceat(prow, s._span[:-1]) if len(prow) else np.zeros(0, np.int64)  # per sample
-            labels = row_labels(s.metadata, ids, prompt, mask, rows, str(s.path))
+            labels = row_labels(s.metadata, ids, prompt, mask, rows, str(s.path), where, image_mask=images)
             owner.append(global_of[labels.owner + int(self._starts[k])])
             pos.append(labels.position)
             tok.append(labels.token_id)
+            chosen.append(labels.chosen)
             plan.append((s, prow, rows, at))
             at += int(rows.sum())
         cat = lambda xs: np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, dtype=np.int64)
         sample_index, position, token_id = cat(owner), cat(pos), cat(tok)
-        # rows in dataset order; samples outside a select() view (index -1) are dropped
-        order = np.flatnonzero(sample_index >= 0)
+        every = all(bool(c.all()) for c in chosen)
+        # rows in dataset order; samples outside a select() view (index -1) and rows ``where`` drops are dropped
+        picked = sample_index >= 0
+        if not every:
+            picked &= np.concatenate(chosen)
+        order = np.flatnonzero(picked)
         order = order[np.argsort(sample_index[order], kind="stable")]
         in_place = len(order) == len(sample_index) and bool(np.all(order == np.arange(len(order))))
         groups = [(s, g) for s, *_ in plan for g in range(len(s._group_start) - 1)
@@ -376,13 +394,27 @@ class ShardDataset:
             if inv is not None:
                 inv[order] = np.arange(len(order))
             for s, prow, rows, base in plan:
-                fill(s, name, h, prow, rows, base, inv)
+                if every:
+                    fill(s, name, h, prow, rows, base, inv)
+                else:
+                    _fill_some(s, name, h, prow, rows, inv[base:base + int(rows.sum())])
         as_torch = lambda a: torch.from_numpy(a if in_place else a[order])
         # the same contract whether h is a view or a copy: read-only, clone to modify
         return TokenMatrix(read_only(h), as_torch(sample_index), as_torch(position), as_torch(token_id))
 
     def __repr__(self) -> str:
         return f"ShardDataset({len(self)} samples, {len(self._paths)} shards, columns={self.columns})"
+
+
+def _fill_some(s: Shard, name: str, out: torch.Tensor, prow: np.ndarray, rows: np.ndarray, dest: np.ndarray) -> None:
+    """Shard ``s``'s rows of ``name`` that ``dest`` (its rows -> rows of ``out``, -1 dropped) keeps: the shard's
+    rows decoded whole, then the kept ones copied."""
+    keep = np.flatnonzero(dest >= 0)
+    if not len(keep):
+        return
+    whole = torch.empty((len(dest), out.shape[1]), dtype=out.dtype)
+    fill(s, name, whole, prow, rows, 0, None)
+    out[torch.from_numpy(dest[keep])] = whole[torch.from_numpy(keep)]
 
 
 def local_dir(recorded: dict, near: Path | None = None) -> Path | None:

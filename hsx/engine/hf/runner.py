@@ -60,18 +60,7 @@ class HFRunner(Runner):
             draft.to(self.device).eval()
         self.model_config = model.config
         self.shape = ModelShape.from_config(model.config)
-        ids = cfg.eagle3_layer_ids
-        self.head_layers = None  # an EAGLE3 head's ids resolved (hsx.heads.layer_ids), recorded with the run
-        if getattr(draft, "head_config", None) is not None:
-            self.head_layers = resolve_head_layers(draft.head_config, self.id_reading, getattr(model.config, "model_type", None),
-                                                   self.shape.num_layers)
-        if ids is None and cfg.draft_model:
-            ids = eagle3_ids_from_config(AutoConfig.from_pretrained(cfg.draft_model, trust_remote_code=remote))
-        self.groups: list[LayerGroup] = parse_layers(cfg.layers, self.shape, ids)
-        if self.head_layers is not None and self.head_layers.boundaries is not None and (
-                cfg.eagle3_layer_ids is None or tuple(cfg.eagle3_layer_ids) == self.head_layers.head_ids):
-            # the column holds what the head reads, by the rule its ids follow (not parse_layers' generic + 1)
-            self.groups = [_head_group(g, self.head_layers) if g.name == EAGLE3 else g for g in self.groups]
+        self._plan_groups(cfg, getattr(model.config, "model_type", None), draft)
         self.context_length = getattr(model.config, "max_position_embeddings", None)
         self.spec = SpecSettings(*cfg.spec_settings()) if cfg.speculative else None
         self.engine = HFEngine(model, self.groups, draft_model=draft, spec=self.spec, store_dtype=dtype_of(cfg.dtype),
@@ -81,28 +70,51 @@ class HFRunner(Runner):
             stop_token_ids=stop_token_ids(cfg.model, self.tokenizer, getattr(model, "generation_config", None)),
         )
 
+    def _plan_groups(self, cfg: ExtractConfig, model_type: str | None, draft) -> None:
+        """The run's layer groups, and an EAGLE3 head's ids resolved (hsx.heads.layer_ids), recorded with the run."""
+        from transformers import AutoConfig
+
+        ids = cfg.eagle3_layer_ids
+        self.head_layers = None
+        if getattr(draft, "head_config", None) is not None:
+            self.head_layers = resolve_head_layers(draft.head_config, self.id_reading, model_type, self.shape.num_layers)
+        if ids is None and cfg.draft_model:
+            ids = eagle3_ids_from_config(AutoConfig.from_pretrained(cfg.draft_model, trust_remote_code=cfg.trust_remote_code))
+        self.groups: list[LayerGroup] = parse_layers(cfg.layers, self.shape, ids)
+        if self.head_layers is not None and self.head_layers.boundaries is not None and (
+                cfg.eagle3_layer_ids is None or tuple(cfg.eagle3_layer_ids) == self.head_layers.head_ids):
+            # the column holds what the head reads, by the rule its ids follow (not parse_layers' generic + 1)
+            self.groups = [_head_group(g, self.head_layers) if g.name == EAGLE3 else g for g in self.groups]
+
     def _start_vision(self, cfg: ExtractConfig) -> None:
         """A vision-language target (hsx.engine.hf.vision): what it does not run is refused before it loads."""
-        from hsx.engine.hf.engine import SamplingSettings
-        from hsx.engine.hf.vision import VisionEngine, load_vision_target, refuse_draft_on_vision
+        from hsx.engine.hf.engine import SamplingSettings, SpecSettings, load_draft
+        from hsx.engine.hf.vision import VisionEngine, load_vision_target
 
         from transformers import AutoConfig
 
         kind = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code).model_type
-        if cfg.draft_model:
-            raise refuse_draft_on_vision(kind)
+        self.spec = SpecSettings(*cfg.spec_settings()) if cfg.speculative else None
+        if self.spec is not None and self.spec.topk > 1:
+            raise HsxError(f"vision-language target ({kind}): draft trees (--spec-topk {self.spec.topk}) are not run on "
+                           "vision-language targets; draft a chain (--spec-topk 1)")
         if cfg.prefill_chunk is not None:
             raise HsxError(f"vision-language target ({kind}): --prefill-chunk is not run on vision-language targets "
                            "(each prompt is one forward with its images)")
         model, self.tokenizer, processor, spec = load_vision_target(cfg.model, self.dtype, cfg.trust_remote_code)
         model.to(self.device)
+        try:
+            draft = None if cfg.draft_model is None else load_draft(cfg.draft_model, model, self.dtype,
+                                                                    cfg.trust_remote_code).to(self.device).eval()
+        except (OSError, ValueError) as e:
+            raise HsxError(f"cannot load draft {cfg.draft_model!r}: {e}") from None
         self.vision = (spec, processor)
         self.model_config = model.config
         self.shape = ModelShape.from_config(model.config.get_text_config(decoder=True))
-        self.head_layers, self.spec = None, None
-        self.groups = parse_layers(cfg.layers, self.shape, cfg.eagle3_layer_ids)
+        self._plan_groups(cfg, kind, draft)
         self.context_length = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-        self.engine = VisionEngine(model, self.groups, spec, store_dtype=dtype_of(cfg.dtype))
+        self.engine = VisionEngine(model, self.groups, spec, store_dtype=dtype_of(cfg.dtype), draft_model=draft,
+                                   spec_settings=self.spec)
         self.sampling = SamplingSettings(
             max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
             stop_token_ids=stop_token_ids(cfg.model, self.tokenizer, getattr(model, "generation_config", None)),
@@ -110,6 +122,8 @@ class HFRunner(Runner):
 
     def describe_vision(self) -> dict:
         """The metadata's ``vision`` record (docs/FORMAT.md, "Images")."""
+        from hsx.engine.hf.vision_drafts import IMAGE_TOKEN_DRAFT_INPUT
+
         spec = self.vision[0]
         return {"model_type": spec.model_type, "image_token_id": spec.image_token_id, "image_token": spec.image_token,
                 "image_processor": type(self.vision[1]).__name__, "mrope": spec.mrope,
@@ -119,7 +133,8 @@ class HFRunner(Runner):
                               "side": "after the add: boundaries 1..blocks hold what the next block receives "
                                       "(transformers' hidden_states and SGLang's capture are before it)"}
                 if spec.deepstack else None,
-                "image_hash": "sha256 of 'WIDTHxHEIGHT:' + the RGB pixels"}
+                "image_hash": "sha256 of 'WIDTHxHEIGHT:' + the RGB pixels",
+                "draft_at_image_tokens": IMAGE_TOKEN_DRAFT_INPUT if self.spec is not None else None}
 
     def describe(self) -> dict:
         import transformers

@@ -27,8 +27,10 @@ vision features of the tower's deepstack layers are added at image tokens to the
 ``hidden_states[b]`` and SGLang's capture hold block b-1's output before it); elsewhere block b's
 input is block b-1's output. Rows follow the usual alignment (``hsx.align``): row j is the state after token j.
 
-Not run here (refused before the first forward): a draft model or EAGLE3 head, Qwen3-VL-MoE and
-Qwen3.5, Gemma 3's pan-and-scan crops, chunked prefill.
+Speculative decoding with a draft model or an EAGLE3 head, chains only, is
+:mod:`hsx.engine.hf.vision_drafts`. Not run here (refused before the first forward): draft trees,
+drafts on a target with sliding-window layers (Gemma 3), Qwen3-VL-MoE and Qwen3.5, Gemma 3's
+pan-and-scan crops, chunked prefill.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import torch
 from hsx.align import FINAL, AlignedSample, Collector, LayerGroup, teacher_forced
 from hsx.data.images import VisionSpec
 from hsx.engine.families import FULL, AttentionPlan
-from hsx.engine.hf.engine import SamplingSettings, _choose
+from hsx.engine.hf.engine import SamplingSettings, SpecSettings, _choose
 from hsx.errors import HsxError
 
 
@@ -84,11 +86,6 @@ def window_plan(model) -> AttentionPlan | None:
     if all(kind == FULL for kind in types):
         return None
     return AttentionPlan.from_model(model, "vision-language target")
-
-
-def refuse_draft_on_vision(model_type: str) -> HsxError:
-    return HsxError(f"vision-language target ({model_type}): speculative decoding (--draft-model) is not run on "
-                    "vision-language targets; extract without a draft")
 
 
 def language_model(model):
@@ -134,17 +131,31 @@ class _Hooks:
                 self.states[source] = output[0] if isinstance(output, tuple) else output
         return hook
 
+    def take(self, sources: Sequence) -> torch.Tensor:
+        """Boundaries ``sources`` of the latest forward concatenated along the width, ``[B, q, len(sources) * W]``."""
+        return torch.cat([self.states[s] for s in sources], -1)
+
     def columns(self, groups: Sequence[LayerGroup]) -> dict[str, torch.Tensor]:
-        return {g.name: torch.cat([self.states[s] for s in g.sources], -1) for g in groups}
+        return {g.name: self.take(g.sources) for g in groups}
 
 
 class VisionEngine:
-    """Prefill and plain decoding of a vision-language target over :class:`hsx.data.render.VisionPrompt` s."""
+    """Prefill, plain and speculative decoding of a vision-language target over :class:`hsx.data.render.VisionPrompt` s."""
 
     def __init__(self, model, groups: Sequence[LayerGroup], spec: VisionSpec, *, store_dtype: torch.dtype = torch.bfloat16,
-                 draft_model=None):
-        if draft_model is not None:
-            raise refuse_draft_on_vision(spec.model_type)
+                 draft_model=None, spec_settings: SpecSettings | None = None):
+        from hsx.engine.hf.vision_drafts import VisionDrafts
+
+        if draft_model is None and spec_settings is not None:
+            raise HsxError("speculative settings given without a draft model")
+        # a draft model or EAGLE3 head, checked before the first forward
+        self.drafts = None if draft_model is None else VisionDrafts(draft_model, model, spec_settings, spec.model_type)
+        if self.drafts is not None and window_plan(model) is not None:
+            raise HsxError(f"vision-language target ({spec.model_type}): speculative decoding is not run on a target "
+                           "with sliding-window layers (its verify steps would count the window in cache slots); "
+                           "extract without a draft")
+        self.head = self.drafts is not None and self.drafts.head
+        self.aux_sources = () if self.drafts is None else self.drafts.aux_sources
         self.model = model.eval()
         self.spec = spec
         self.groups = list(groups)
@@ -187,6 +198,20 @@ class VisionEngine:
             positions, deltas = (mask.cumsum(1) - 1).clamp(min=0), None
         return {"ids": ids, "mask": mask, "positions": positions, "deltas": deltas, "lengths": lengths, "extra": extra}
 
+    def _hooks(self, extra_sources: Sequence = ()) -> _Hooks:
+        """Hooks keeping the groups' boundaries (and ``extra_sources``, e.g. a head's aux states) of each forward."""
+        return _Hooks(self.lm, list(self.sources) + list(extra_sources), self.num_layers)
+
+    def _decode_start(self, b: dict) -> torch.Tensor:
+        """``[B]`` where each row's first completion token sits: its prompt length (+ rope_delta on mRoPE models)."""
+        lengths = torch.tensor(b["lengths"], device=self.device)
+        next_pos = lengths + (b["deltas"].to(self.device) if b["deltas"] is not None else 0)
+        if self.spec.mrope:
+            top = b["positions"].amax(dim=(0, 2)) + 1  # [B] largest prompt position + 1 (padding sits at 0)
+            if not torch.equal(top, next_pos):
+                raise HsxError(f"rope_delta does not continue the prompt's positions: {top.tolist()} vs {next_pos.tolist()}")
+        return next_pos
+
     def _forward(self, ids, mask, positions, cache=None, **extra):
         return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
                           use_cache=cache is not None, output_hidden_states=False, **extra)
@@ -215,20 +240,20 @@ class VisionEngine:
         return out
 
     def generate(self, prompts, sampling: SamplingSettings) -> list[VisionSample]:
-        """Plain decoding of every prompt in one batch until a stop token or ``max_new_tokens``."""
+        """Decoding of every prompt in one batch until a stop token or ``max_new_tokens``: plain, or speculative
+        when the engine has a draft (:mod:`hsx.engine.hf.vision_drafts`)."""
         from transformers import DynamicCache
 
         if not prompts:
             return []
+        if self.drafts is not None:
+            from hsx.engine.hf.vision_drafts import generate_speculative
+
+            return self._results(prompts, *generate_speculative(self, prompts, sampling))
         b = self._batch(prompts)
         batch, dev = len(prompts), self.device
         lengths = torch.tensor(b["lengths"], device=dev)
-        # where each row's next token sits: its prompt length (+ rope_delta on mRoPE models)
-        next_pos = lengths + (b["deltas"].to(dev) if b["deltas"] is not None else 0)
-        if self.spec.mrope:
-            top = b["positions"].amax(dim=(0, 2)) + 1  # [B] largest prompt position + 1 (padding sits at 0)
-            if not torch.equal(top, next_pos):
-                raise HsxError(f"rope_delta does not continue the prompt's positions: {top.tolist()} vs {next_pos.tolist()}")
+        next_pos = self._decode_start(b)
         generator = torch.Generator(device=dev).manual_seed(sampling.seed)
         collector = Collector(self.groups, self.store_dtype)
         rids = list(range(batch))
@@ -237,7 +262,7 @@ class VisionEngine:
         cache = DynamicCache() if windows else DynamicCache(config=self.model.config)
         stops = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=dev)
         done: dict[int, AlignedSample] = {}
-        with torch.inference_mode(), _Hooks(self.lm, self.sources, self.num_layers) as hooks:
+        with torch.inference_mode(), self._hooks() as hooks:
             out = self._forward(b["ids"], b["mask"], b["positions"], cache, **b["extra"])
             last = out.logits[torch.arange(batch, device=dev), lengths - 1]  # [B, V]
             token = _choose(last, sampling, generator)  # [B]
@@ -265,8 +290,12 @@ class VisionEngine:
                         collector.extend(i, {k: c[i] for k, c in cols.items()}, nxt[i : i + 1])
                 token, n_out = nxt, n_out + 1
                 self._retire(rids, token, n_out, stops, sampling, collector, done)
+        return self._results(prompts, done, b)
+
+    def _results(self, prompts, done: dict, b: dict) -> list[VisionSample]:
+        """Each row's finished sample with the positions its tokens ran at, in prompt order."""
         result = []
-        for i in rids:
+        for i in range(len(prompts)):
             sample = done[i]
             n, p = sample.input_ids.numel(), b["lengths"][i]
             decode = torch.arange(p, n) + (int(b["deltas"][i]) if self.spec.mrope else 0)

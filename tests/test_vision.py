@@ -504,3 +504,14 @@ def test_gemma3_frames_merge_with_the_text_beside_them_as_the_processors(gemma, 
         learned = [m for m, im in zip(prompt.loss_mask, prompt.vision.image_mask) if im]
         answer = len(t.tok("seen", add_special_tokens=False)["input_ids"]) + 1  # and <|end|>
         assert learned == [0] * 16 * len(pil) and sum(prompt.loss_mask) == (answer if mode == "prefill" else 0)
+
+
+def test_gemma3_text_beside_an_image_that_is_partly_learned_is_an_error_record(gemma, images):
+    """The frame's newlines merge with the text beside the image: a run of text that is partly learned (the
+    assistant's words after its turn's header) has no loss mask once encoded again, and the sample is refused."""
+    t = gemma
+    row = {"messages": [{"role": "user", "content": "draw me something"},
+                        {"role": "assistant", "content": [{"type": "text", "text": "here it is"},
+                                                          {"type": "image", "image": images["a"]}]}]}
+    with pytest.raises(SampleError, match=r"the text '\\nhere it is' next to an image is partly learned"):
+        Renderer(t.tok, "prefill", vision=(t.spec, t.processor)).render(row, 0)

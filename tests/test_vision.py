@@ -195,6 +195,38 @@ def test_a_length_limit_never_cuts_an_image_block(target, images):
         Renderer(t.tok, "prefill", max_length=after, vision=(t.spec, t.processor)).render(rows(images)[2], 2)
 
 
+def test_llava_rows_with_image_placeholders_in_their_text(target, images):
+    """The LLaVA / ShareGPT4V shape: ``<image>`` in a ShareGPT string turn, the images in the row's ``image`` or
+    ``images`` column: rendered as the same chat given as parts, every row checked against the oracle."""
+    t = target
+    renderer = Renderer(t.tok, "prefill", vision=(t.spec, t.processor))  # the column it renders: its first row's
+    llava = {"conversations": [{"from": "human", "value": "<image>\nwhat is in the picture?"},
+                               {"from": "gpt", "value": "a cat on a mat"}], "image": images["a"]}
+    parts = {"messages": [{"role": "user", "content": [{"type": "image", "image": images["a"]},
+                                                       {"type": "text", "text": "what is in the picture?"}]},
+                          {"role": "assistant", "content": "a cat on a mat"}]}
+    got, want = renderer.render(llava, 0), Renderer(t.tok, "prefill", vision=(t.spec, t.processor)).render(parts, 0)
+    assert got.input_ids == want.input_ids and got.loss_mask == want.loss_mask
+    assert [im.sha256 for im in got.vision.images] == [im.sha256 for im in want.vision.images]
+    assert got.vision.images[0].source == "column image[0]"
+    two = {"conversations": [{"from": "human", "value": "compare <image> with <image>\nplease"},
+                             {"from": "gpt", "value": "they differ"}], "images": [images["b"], images["c"]]}
+    prompt = renderer.render(two, 1)
+    assert [im.source for im in prompt.vision.images] == ["column images[0]", "column images[1]"]
+    engine = VisionEngine(t.model, groups_of(t), t.spec, store_dtype=torch.float32)
+    check_rows(t, prompt, engine.prefill([prompt])[0], engine.groups, "prefill")
+    short = {**two, "images": [images["b"]]}  # two placeholders, one image
+    with pytest.raises(SampleError, match=r"turn 0 value \(cut into parts at its <image> placeholders\) part 3: an image "
+                                          r"part without a value takes the row's next image, but column 'images' holds 1"):
+        renderer.render(short, 2)
+    # without an image column the text is left as it is (on LLaVA, whose image token it is, a placeholder too many)
+    if t.family == "llava":
+        with pytest.raises(SampleError, match=r"image placeholders .* for 0 images"):
+            renderer.render({"conversations": two["conversations"]}, 3)
+    else:
+        assert not renderer.render({"conversations": two["conversations"]}, 3).vision.images
+
+
 def bad_rows(images, family):
     placeholder = {"llava": LLAVA_IMAGE.strip(), "gemma3": GEMMA_IMAGE}.get(family, QWEN_IMAGE)
     user = lambda *parts: {"messages": [{"role": "user", "content": list(parts)}]}

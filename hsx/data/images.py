@@ -7,7 +7,10 @@ Where an image comes from
                                                           hsx fetches nothing over the network;
     ``{"type": "image"}`` (no value)                      the next image of the row's ``images`` (a list)
                                                           or ``image`` column, e.g. an HF ``datasets``
-                                                          ``Image`` feature, in order of appearance.
+                                                          ``Image`` feature, in order of appearance;
+    ``<image>`` in a string turn (LLaVA, ShareGPT4V)      the same, where the row has such a column: the
+                                                          string is cut into text and image parts there
+                                                          (one newline right after ``<image>`` dropped).
 
 What the model sees
     The chat template writes one placeholder token per image part (``<|image_pad|>`` inside
@@ -43,6 +46,7 @@ from hsx.errors import HsxError, SampleError
 
 IMAGE_PARTS = ("image", "image_url", "input_image")
 IMAGE_COLUMNS = ("images", "image")  # where a part without a value takes its image from, in this order
+TEXT_PLACEHOLDER = "<image>"  # LLaVA / ShareGPT4V rows: where each image of the row's column goes in a string turn
 COLUMN_SOURCE = re.compile(r"column (\w+)\[(\d+)\]")  # an image's stored source when it came from a dataset column
 # Families whose placeholders hsx expands (model_type -> how the processor counts an image's tokens).
 MERGED_GRID = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # tokens = t * h * w // merge_size ** 2 of image_grid_thw
@@ -124,6 +128,9 @@ class ImageColumn:
         value = row.get(self.name) if self.name else None
         self.values = [] if value is None else list(value) if isinstance(value, (list, tuple)) else [value]
         self.used = 0
+
+    def __bool__(self) -> bool:
+        return self.name is not None
 
     def take(self, where: str):
         if self.used >= len(self.values):

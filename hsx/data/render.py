@@ -47,7 +47,8 @@ from typing import Any, Iterable, Literal, Mapping
 from jinja2.exceptions import TemplateError
 
 from hsx.data import stored
-from hsx.data.images import IMAGE_PARTS, ImageColumn, VisionInputs, VisionSpec, cut_inside_image, image_of_part
+from hsx.data.images import (IMAGE_PARTS, TEXT_PLACEHOLDER, ImageColumn, VisionInputs, VisionSpec, cut_inside_image,
+                             image_of_part)
 from hsx.errors import HsxError, SampleError
 
 TEXT_FIELDS = ("text", "prompt", "content", "question")
@@ -340,8 +341,12 @@ def _turns(sample_id: str, shape: str, value: Any, images: tuple[list, ImageColu
         accepted = SHAREGPT_ROLES if shape == "conversations" else {r: r for r in ROLES}
         if not isinstance(role, str) or role not in accepted:
             raise SampleError(sample_id, f"{where}: unknown {role_key} {role!r}; expected one of {list(accepted)}")
+        named = f"{where} {content_key}"
+        if isinstance(content, str) and images is not None and images[1] and TEXT_PLACEHOLDER in content:
+            content = _placeholder_parts(content)  # LLaVA / ShareGPT4V: "<image>" marks the column's next image
+            named += f" (cut into parts at its {TEXT_PLACEHOLDER} placeholders)"
         if isinstance(content, (list, tuple)):
-            content = _content_of_parts(sample_id, f"{where} {content_key}", content, images)
+            content = _content_of_parts(sample_id, named, content, images)
         if isinstance(content, list):
             turns.append({"role": accepted[role], "content": content})
             continue
@@ -352,6 +357,19 @@ def _turns(sample_id: str, shape: str, value: Any, images: tuple[list, ImageColu
             raise SampleError(sample_id, f"{where}: the user turn is empty or whitespace (nothing to answer)")
         turns.append({"role": accepted[role], "content": content})
     return turns
+
+
+def _placeholder_parts(text: str) -> list[dict]:
+    """A string turn with ``<image>`` placeholders as parts: a value-less image part at each (it takes the row's
+    column's next image), the text between as text parts; the newline LLaVA data puts after one is dropped."""
+    parts = []
+    for k, piece in enumerate(text.split(TEXT_PLACEHOLDER)):
+        if k:
+            parts.append({"type": "image"})
+            piece = piece.removeprefix("\n")
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
 
 
 def _content_of_parts(sample_id: str, where: str, parts, images: tuple[list, ImageColumn] | None) -> str | list:

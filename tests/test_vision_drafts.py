@@ -19,7 +19,7 @@ from test_families import random_head
 from test_vision import check_rows, groups_of, rows
 from vl_models import build_vl, draw
 
-FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "llava")
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "llava", "gemma3")
 CHAINS = {"k1": SpecSettings(num_steps=1, topk=1, num_draft_tokens=2),
           "k3": SpecSettings(num_steps=3, topk=1, num_draft_tokens=4)}
 MAX_NEW = 8
@@ -51,6 +51,14 @@ def text_twin(t):
     three mRoPE axes equal) it is the target, so it drafts what the target chooses there."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
+    if t.family == "gemma3":  # its text config is a causal LM's own (sliding layers, scaled embeddings and all)
+        config = t.model.config.get_text_config(decoder=True)
+        twin = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
+        state = {f"model.{k}": v for k, v in t.model.model.language_model.state_dict().items()}
+        state["lm_head.weight"] = t.model.lm_head.weight
+        missing, unexpected = twin.load_state_dict(state, strict=False)
+        assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+        return twin
     text = t.model.config.get_text_config(decoder=True).to_dict()
     cls = {"qwen2_5_vl": Qwen2Config, "qwen2_vl": Qwen2Config, "qwen3_vl": Qwen3Config, "llava": LlamaConfig}[t.family]
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -231,7 +239,7 @@ def save_head(head, out):
 
 
 @pytest.mark.parametrize("kind", ["twin", "head"])
-@pytest.mark.parametrize("family", ["qwen3_vl", "llava"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "llava", "gemma3"])
 def test_extract_with_a_draft_stores_rows_that_match_the_oracle(family, kind, images, root, tmp_path):
     """``hsx extract --draft-model`` on a vision-language target: the speculative and vision records, the tokens
     of plain greedy decoding, every row (the head's eagle3 column included) its teacher-forced forward's."""
@@ -293,11 +301,3 @@ def test_extract_with_a_draft_stores_rows_that_match_the_oracle(family, kind, im
 
     result = CliRunner().invoke(app, ["verify", "--recompute", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
-
-
-def test_a_draft_on_a_target_with_sliding_window_layers_is_refused(root):
-    """Gemma 3's sliding layers: the verify steps' masks over the batch's cache count the window in slots."""
-    t = target("gemma3", root)
-    with pytest.raises(HsxError, match=r"vision-language target \(gemma3\): speculative decoding is not run on a "
-                                       "target with sliding-window layers"):
-        VisionEngine(t.model, groups_of(t), t.spec, draft_model=random_draft(t), spec_settings=CHAINS["k1"])

@@ -145,6 +145,17 @@ class AttentionPlan:
         return out if self.per_type else next(iter(out.values()))
 
 
+def window_plan(model) -> AttentionPlan | None:
+    """The attention plan of a vision-language target with sliding-window layers, else None. transformers'
+    sliding cache layers keep the last slots by count and its decode masks count the window in slots: both
+    wrong for a right-padded row shorter than the batch, so such a target decodes (and verifies drafts) with
+    masks of its own, by position."""
+    types = getattr(model.config.get_text_config(), "layer_types", None) or ()
+    if all(kind == FULL for kind in types):
+        return None
+    return AttentionPlan.from_model(model, "vision-language target")
+
+
 def has_recurrent_layers(model) -> bool:
     """Some layers keep a recurrent state instead of keys and values (transformers' reading of the config)."""
     from transformers.cache_utils import get_layer_types_and_kwargs

@@ -15,8 +15,8 @@ Gemma 3's prefill also gets ``token_type_ids`` (1 on the soft image tokens, 0 on
 model lets each image block attend to itself both ways, on top of the causal (and sliding-window)
 mask. Decode steps get none, as transformers' own ``generate`` does: a generated token is text and
 attends causally to the cache. On a target with sliding-window layers (Gemma 3) the cache keeps every
-slot and each decode step gets the engine's own masks, the window counted in positions
-(:func:`window_plan`).
+slot and each decode (and verify) step gets the engine's own masks, the window counted in positions
+(:func:`hsx.engine.families.window_plan`).
 
 The language model's blocks are hooked at their inputs: boundary b < L is what block b receives, so
 boundary 0 is the merged text and vision embeddings (image tokens hold the projected vision
@@ -29,7 +29,7 @@ input is block b-1's output. Rows follow the usual alignment (``hsx.align``): ro
 
 Speculative decoding with a draft model or an EAGLE3 head, chains only, is
 :mod:`hsx.engine.hf.vision_drafts`. Not run here (refused before the first forward): draft trees,
-drafts on a target with sliding-window layers (Gemma 3), Qwen3-VL-MoE and Qwen3.5, Gemma 3's
+Qwen3-VL-MoE and Qwen3.5, Gemma 3's
 pan-and-scan crops, chunked prefill.
 """
 
@@ -42,7 +42,7 @@ import torch
 
 from hsx.align import FINAL, AlignedSample, Collector, LayerGroup, teacher_forced
 from hsx.data.images import VisionSpec
-from hsx.engine.families import FULL, AttentionPlan
+from hsx.engine.families import window_plan
 from hsx.engine.hf.engine import SamplingSettings, SpecSettings, _choose
 from hsx.errors import HsxError
 
@@ -76,16 +76,6 @@ def with_prompt_images(vs: VisionSample, prompt) -> VisionSample:
                                    "grid": list(im.grid), "start": im.start, "num_tokens": im.num_tokens}
                                   for im in prompt.vision.images]
     return vs
-
-
-def window_plan(model) -> AttentionPlan | None:
-    """The attention plan of a target with sliding-window layers, else None. transformers' sliding cache
-    layers keep the last slots by count and its decode masks count the window in slots: both wrong for a
-    right-padded row shorter than the batch, so such a target decodes with its own masks by position."""
-    types = getattr(model.config.get_text_config(), "layer_types", None) or ()
-    if all(kind == FULL for kind in types):
-        return None
-    return AttentionPlan.from_model(model, "vision-language target")
 
 
 def language_model(model):
@@ -150,10 +140,6 @@ class VisionEngine:
             raise HsxError("speculative settings given without a draft model")
         # a draft model or EAGLE3 head, checked before the first forward
         self.drafts = None if draft_model is None else VisionDrafts(draft_model, model, spec_settings, spec.model_type)
-        if self.drafts is not None and window_plan(model) is not None:
-            raise HsxError(f"vision-language target ({spec.model_type}): speculative decoding is not run on a target "
-                           "with sliding-window layers (its verify steps would count the window in cache slots); "
-                           "extract without a draft")
         self.head = self.drafts is not None and self.drafts.head
         self.aux_sources = () if self.drafts is None else self.drafts.aux_sources
         self.model = model.eval()

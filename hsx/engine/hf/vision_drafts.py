@@ -9,7 +9,9 @@ row's tokens. A verify step is one target forward over ``[root + drafts]`` per r
 models). Acceptance is the text engine's: the longest prefix of drafts equal to the target's own
 choice at their parent (argmax when greedy, one seeded sample per position otherwise), plus the
 target's token after it. A row's rejected slots are masked out of every later step, and the slots
-dead in every row are cropped off the cache's end: the one place the cache is cut.
+dead in every row are cropped off the cache's end: the one place the cache is cut. On a target with
+sliding-window layers (Gemma 3) the cache keeps every slot and each verify step gets a 4-D mask per
+layer type: the row's live slots, the chain's earlier tokens, and the window counted in positions.
 
 What the draft sees at image tokens (``IMAGE_TOKEN_DRAFT_INPUT``): the placeholder token ids. A draft
 model embeds them with its own embedding; an EAGLE3 head pairs the target's token embedding of the
@@ -24,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from hsx.align import Collector
-from hsx.engine.families import FULL, AttentionPlan
+from hsx.engine.families import FULL, AttentionPlan, window_plan
 from hsx.engine.hf.batch_state import BatchState
 from hsx.engine.hf.capture import Driven
 from hsx.engine.hf.drafting import Drafting
@@ -114,7 +116,11 @@ def generate_speculative(engine, prompts, sampling: SamplingSettings):
     generator = torch.Generator(device=dev).manual_seed(sampling.seed)
     collector = Collector(engine.groups, engine.store_dtype)
     rids = list(range(batch))
-    cache = DynamicCache(config=engine.model.config)
+    windows = window_plan(engine.model)
+    # sliding layers (Gemma 3): every slot kept, the window applied by position in each step's mask
+    cache = DynamicCache() if windows else DynamicCache(config=engine.model.config)
+    key_pos = torch.arange(b["ids"].shape[1], device=dev).expand(batch, -1)  # [B, K] the position each slot holds
+    chain = torch.ones(n, n, dtype=torch.bool, device=dev).tril()  # a verify step's tokens see their chain's earlier ones
     stops = torch.tensor(sampling.stop_token_ids, dtype=torch.long)
     done: dict = {}
     capacity = max(b["lengths"]) + sampling.max_new_tokens + n + drafts.spec.pool_size
@@ -138,7 +144,14 @@ def generate_speculative(engine, prompts, sampling: SamplingSettings):
             tree = drafts._draft_tree(state)  # [B, n]: a chain, node j at depth j
             root = next_pos + state.n_out.to(dev) - 1  # [B] the position of the last emitted token
             mask = torch.cat([mask, torch.ones(batch, n, dtype=mask.dtype, device=dev)], 1)
-            out = engine._forward(tree.tokens, mask, verify_positions(root, tree.depth, engine.spec.mrope), cache)
+            step_mask = mask
+            if windows:
+                q_pos = root[:, None] + tree.depth  # [B, n]
+                key_pos = torch.cat([key_pos, q_pos], 1)
+                visible = mask.bool()[:, None, :].expand(-1, n, -1).clone()  # [B, n, K]
+                visible[:, :, -n:] &= chain
+                step_mask = windows.masks(visible, q_pos, key_pos, engine.model.dtype)
+            out = engine._forward(tree.tokens, step_mask, verify_positions(root, tree.depth, engine.spec.mrope), cache)
             target_tok = _choose(out.logits, sampling, generator)  # [B, n] the target's next token after each node
             del out
             # accept a draft when it and every draft before it is the target's choice at its parent
@@ -149,7 +162,7 @@ def generate_speculative(engine, prompts, sampling: SamplingSettings):
             dead = n - int(accept_lens.max())
             if dead:  # slots rejected in every row leave the cache's end
                 cache.crop(-dead)
-                mask = mask[:, :-dead]
+                mask, key_pos = mask[:, :-dead], key_pos[:, :-dead]
             cols = {k: c.reshape(batch * n, -1) for k, c in hooks.columns(engine.groups).items()}
             live = torch.tensor([i not in done for i in rids], device=dev)
             collector.step(rids, cols, target_tok, torch.where(live, accept_lens, 0), n)

@@ -89,7 +89,7 @@ class HFRunner(Runner):
     def _start_vision(self, cfg: ExtractConfig) -> None:
         """A vision-language target (hsx.engine.hf.vision): what it does not run is refused before it loads."""
         from hsx.engine.hf.engine import SamplingSettings, SpecSettings, load_draft
-        from hsx.engine.hf.vision import VisionEngine, load_vision_target
+        from hsx.engine.hf.vision import VisionEngine, load_vision_target, refuse_drafts
 
         from transformers import AutoConfig
 
@@ -102,6 +102,8 @@ class HFRunner(Runner):
             raise HsxError(f"vision-language target ({kind}): --prefill-chunk is not run on vision-language targets "
                            "(each prompt is one forward with its images)")
         model, self.tokenizer, processor, spec = load_vision_target(cfg.model, self.dtype, cfg.trust_remote_code)
+        if cfg.draft_model is not None:
+            refuse_drafts(model, kind)
         model.to(self.device)
         try:
             draft = None if cfg.draft_model is None else load_draft(cfg.draft_model, model, self.dtype,

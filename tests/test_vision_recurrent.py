@@ -138,10 +138,15 @@ def test_text_only_rows_run_through_the_vision_path(target, mode):
         assert vs.rope_delta == 0
 
 
-def test_a_draft_on_a_recurrent_target_is_refused_before_it_loads(target, tmp_path):
+def test_a_draft_on_a_recurrent_target_is_refused_before_it_loads(target, tmp_path, monkeypatch):
+    import hsx.engine.hf.vision
     from hsx.config import ExtractConfig
     from hsx.engine.hf.runner import HFRunner
 
+    def no_load(*args, **kwargs):
+        raise AssertionError("the target was loaded before the refusal")
+
+    monkeypatch.setattr(hsx.engine.hf.vision, "load_vision_target", no_load)
     cfg = ExtractConfig(model=str(target.path), dataset="unused.jsonl", output=str(tmp_path / "out"),
                         draft_model=str(tmp_path / "no-draft"), spec_topk=1)
     with pytest.raises(HsxError, match=re.escape(f"vision-language target ({target.family}): speculative decoding is "

@@ -156,17 +156,18 @@ def window_plan(model) -> AttentionPlan | None:
     return AttentionPlan.from_model(model, "vision-language target")
 
 
-def recurrent_kinds(model) -> tuple[str, ...]:
-    """The model's layer kinds that keep a recurrent state instead of keys and values, e.g. ``("linear_attention",)``
-    (transformers' reading of the config)."""
+def recurrent_kinds(config) -> tuple[str, ...]:
+    """The layer kinds of a model's ``config`` that keep a recurrent state instead of keys and values, e.g.
+    ``("linear_attention",)`` (transformers' reading of the config)."""
     from transformers.cache_utils import get_layer_types_and_kwargs
 
-    return tuple(dict.fromkeys(k for k in get_layer_types_and_kwargs(_text_config(model))[0] if k in RECURRENT))
+    text = config.get_text_config(decoder=True)
+    return tuple(dict.fromkeys(k for k in get_layer_types_and_kwargs(text)[0] if k in RECURRENT))
 
 
 def has_recurrent_layers(model) -> bool:
     """Some layers keep a recurrent state instead of keys and values (transformers' reading of the config)."""
-    return bool(recurrent_kinds(model))
+    return bool(recurrent_kinds(model.config))
 
 
 def slot_limit(model) -> int | None:

@@ -93,7 +93,8 @@ class HFRunner(Runner):
 
         from transformers import AutoConfig
 
-        kind = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code).model_type
+        config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+        kind = config.model_type
         self.spec = SpecSettings(*cfg.spec_settings()) if cfg.speculative else None
         if self.spec is not None and self.spec.topk > 1:
             raise HsxError(f"vision-language target ({kind}): draft trees (--spec-topk {self.spec.topk}) are not run on "
@@ -101,9 +102,9 @@ class HFRunner(Runner):
         if cfg.prefill_chunk is not None:
             raise HsxError(f"vision-language target ({kind}): --prefill-chunk is not run on vision-language targets "
                            "(each prompt is one forward with its images)")
-        model, self.tokenizer, processor, spec = load_vision_target(cfg.model, self.dtype, cfg.trust_remote_code)
         if cfg.draft_model is not None:
-            refuse_drafts(model, kind)
+            refuse_drafts(config, kind)
+        model, self.tokenizer, processor, spec = load_vision_target(cfg.model, self.dtype, cfg.trust_remote_code)
         model.to(self.device)
         try:
             draft = None if cfg.draft_model is None else load_draft(cfg.draft_model, model, self.dtype,

@@ -145,9 +145,9 @@ class VisionEngine:
         if draft_model is None and spec_settings is not None:
             raise HsxError("speculative settings given without a draft model")
         # layers with a recurrent state (Qwen3.5's Gated DeltaNet): never fed padding or rejected tokens
-        self.recurrent = recurrent_kinds(model)
+        self.recurrent = recurrent_kinds(model.config)
         if draft_model is not None:
-            refuse_drafts(model, spec.model_type)
+            refuse_drafts(model.config, spec.model_type)
         # a draft model or EAGLE3 head, checked before the first forward
         self.drafts = None if draft_model is None else VisionDrafts(draft_model, model, spec_settings, spec.model_type)
         self.head = self.drafts is not None and self.drafts.head
@@ -315,10 +315,10 @@ class VisionEngine:
                 done[i] = collector.finish(i, n_out, "stop" if is_stop[i] else "length", speculative=False)
 
 
-def refuse_drafts(model, model_type: str) -> None:
-    """Speculative decoding is refused on a target with recurrent layers: a verify step's rejected tokens would
-    stay in their state (the text engine rolls states back; this batch does not)."""
-    kinds = recurrent_kinds(model)
+def refuse_drafts(config, model_type: str) -> None:
+    """Speculative decoding is refused on a target (its ``config``) with recurrent layers: a verify step's rejected
+    tokens would stay in their state (the text engine rolls states back; this batch does not)."""
+    kinds = recurrent_kinds(config)
     if kinds:
         raise HsxError(f"vision-language target ({model_type}): speculative decoding is not run on targets with "
                        f"recurrent layers ({', '.join(map(repr, kinds))}): a verify step's rejected tokens would stay "

@@ -19,7 +19,7 @@ from test_families import random_head
 from test_vision import check_rows, groups_of, rows
 from vl_models import build_vl, draw
 
-FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "llava", "gemma3")
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "gemma3")
 CHAINS = {"k1": SpecSettings(num_steps=1, topk=1, num_draft_tokens=2),
           "k3": SpecSettings(num_steps=3, topk=1, num_draft_tokens=4)}
 MAX_NEW = 8
@@ -49,7 +49,7 @@ def root(tmp_path_factory):
 def text_twin(t):
     """A text causal LM holding the target's language model and lm_head: on text tokens at 1-D positions (all
     three mRoPE axes equal) it is the target, so it drafts what the target chooses there."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     if t.family == "gemma3":  # its text config is a causal LM's own (sliding layers, scaled embeddings and all)
         config = t.model.config.get_text_config(decoder=True)
@@ -60,12 +60,16 @@ def text_twin(t):
         assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
         return twin
     text = t.model.config.get_text_config(decoder=True).to_dict()
-    cls = {"qwen2_5_vl": Qwen2Config, "qwen2_vl": Qwen2Config, "qwen3_vl": Qwen3Config, "llava": LlamaConfig}[t.family]
+    cls = {"qwen2_5_vl": Qwen2Config, "qwen2_vl": Qwen2Config, "qwen3_vl": Qwen3Config, "qwen3_vl_moe": Qwen3MoeConfig,
+           "llava": LlamaConfig}[t.family]
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act", "max_position_embeddings", "attention_bias")
+            "num_key_value_heads", "head_dim", "rms_norm_eps", "hidden_act", "max_position_embeddings", "attention_bias",
+            "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers")
+    # Qwen3-VL-MoE's router always renormalizes its top-k weights; Qwen3-MoE's does so with norm_topk_prob
+    moe = {"norm_topk_prob": True} if t.family == "qwen3_vl_moe" else {}
     config = cls(**{k: text[k] for k in keep if k in text}, rope_parameters={"rope_type": "default",
                                                                             "rope_theta": 10000.0},
-                 tie_word_embeddings=False)
+                 tie_word_embeddings=False, **moe)
     twin = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
     state = {f"model.{k}": v for k, v in t.model.model.language_model.state_dict().items()}
     state["lm_head.weight"] = t.model.lm_head.weight
@@ -239,7 +243,7 @@ def save_head(head, out):
 
 
 @pytest.mark.parametrize("kind", ["twin", "head"])
-@pytest.mark.parametrize("family", ["qwen3_vl", "llava", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe", "llava", "gemma3"])
 def test_extract_with_a_draft_stores_rows_that_match_the_oracle(family, kind, images, root, tmp_path):
     """``hsx extract --draft-model`` on a vision-language target: the speculative and vision records, the tokens
     of plain greedy decoding, every row (the head's eagle3 column included) its teacher-forced forward's."""

@@ -39,7 +39,9 @@ TEMPLATE = r"""{%- macro render(content) -%}
 {{- '<|assistant|>\n' }}
 {%- endif %}"""
 
-FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "llava", "gemma3")
+FAMILIES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "llava", "gemma3")
+# Qwen3.5 language models: Gated DeltaNet (linear-attention) blocks around a full-attention one
+QWEN3_5_LAYERS = ["linear_attention", "full_attention", "linear_attention"]
 
 
 def vl_tokenizer(image_text: str, vocab_size: int = 512):
@@ -98,6 +100,42 @@ def build_vl(family: str, out_dir: str | Path, seed: int = 0) -> Path:
             vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
                                patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
                                deepstack_visual_indexes=[0, 1]),
+            vision_start_token_id=ids[0], image_token_id=ids[1], vision_end_token_id=ids[2], video_token_id=ids[3])
+        processor = Qwen2VLImageProcessorPil(min_pixels=32 * 32 * 2, max_pixels=32 * 32 * 24, patch_size=16,
+                                             merge_size=2, temporal_patch_size=2)
+    elif family == "qwen3_vl_moe":  # Qwen3-VL's deepstack with sparse MoE blocks
+        from transformers import Qwen3VLMoeConfig
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        tok = vl_tokenizer(QWEN_IMAGE)
+        ids = tok.convert_tokens_to_ids(VISION_TOKENS)
+        config = Qwen3VLMoeConfig(
+            text_config=dict(vocab_size=len(tok), head_dim=16, num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=32, rope_parameters={
+                "rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True, "rope_theta": 10000.0},
+                **text),
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                               patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                               deepstack_visual_indexes=[0, 1]),
+            vision_start_token_id=ids[0], image_token_id=ids[1], vision_end_token_id=ids[2], video_token_id=ids[3])
+        processor = Qwen2VLImageProcessorPil(min_pixels=32 * 32 * 2, max_pixels=32 * 32 * 24, patch_size=16,
+                                             merge_size=2, temporal_patch_size=2)
+    elif family in ("qwen3_5", "qwen3_5_moe"):  # no deepstack; Gated DeltaNet blocks keep a recurrent state
+        from transformers import Qwen3_5Config, Qwen3_5MoeConfig
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        tok = vl_tokenizer(QWEN_IMAGE)
+        ids = tok.convert_tokens_to_ids(VISION_TOKENS)
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+        # rotary on a quarter of head_dim 32 (partial_rotary_factor 0.25): 4 frequencies, split 2 + 1 + 1
+        config = (Qwen3_5MoeConfig if family == "qwen3_5_moe" else Qwen3_5Config)(
+            text_config=dict(vocab_size=len(tok), head_dim=32, layer_types=QWEN3_5_LAYERS, linear_conv_kernel_dim=4,
+                             linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                             linear_num_value_heads=4, rope_parameters={
+                "rope_type": "default", "mrope_section": [2, 1, 1], "mrope_interleaved": True, "rope_theta": 10000.0},
+                **(moe if family == "qwen3_5_moe" else {}), **text),
+            vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                               patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64),
             vision_start_token_id=ids[0], image_token_id=ids[1], vision_end_token_id=ids[2], video_token_id=ids[3])
         processor = Qwen2VLImageProcessorPil(min_pixels=32 * 32 * 2, max_pixels=32 * 32 * 24, patch_size=16,
                                              merge_size=2, temporal_patch_size=2)

@@ -14,7 +14,7 @@ Where an image comes from
 
 What the model sees
     The chat template writes one placeholder token per image part (``<|image_pad|>`` inside
-    ``<|vision_start|> ... <|vision_end|>`` for Qwen2/2.5/3-VL, ``<image>`` for LLaVA,
+    ``<|vision_start|> ... <|vision_end|>`` for Qwen2/2.5/3-VL and Qwen3.5, ``<image>`` for LLaVA,
     ``<start_of_image>`` for Gemma 3); each placeholder is expanded to the number of tokens the
     model's vision tower produces for that image, as the model's processor does (:class:`VisionSpec`).
     The expanded ids are the sample's ids: they are what the model runs over and what the rows align to.
@@ -49,21 +49,16 @@ IMAGE_COLUMNS = ("images", "image")  # where a part without a value takes its im
 TEXT_PLACEHOLDER = "<image>"  # LLaVA / ShareGPT4V rows: where each image of the row's column goes in a string turn
 COLUMN_SOURCE = re.compile(r"column (\w+)\[(\d+)\]")  # an image's stored source when it came from a dataset column
 # Families whose placeholders hsx expands (model_type -> how the processor counts an image's tokens).
-MERGED_GRID = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # tokens = t * h * w // merge_size ** 2 of image_grid_thw
+MERGED_GRID = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+# (tokens = t * h * w // merge_size ** 2 of image_grid_thw, positions from the model's get_rope_index)
 # Families that add vision features (deepstack) to the hidden states at image tokens after their first blocks.
-DEEPSTACK = ("qwen3_vl",)
+# Qwen3.5 has none: its vision tower returns only the merged features (no deepstack_visual_indexes in its config).
+DEEPSTACK = ("qwen3_vl", "qwen3_vl_moe")
 PATCHES = ("llava",)  # tokens = (H // patch) * (W // patch) (+1 with the CLS feature kept)
 # Families whose processor frames each image with text and a fixed number of soft tokens (mm_tokens_per_image),
 # which attend to each other both ways inside their block (token_type_ids 1 on them).
 FRAMED = ("gemma3",)
 FRAME = "\n\n"  # Gemma3Processor.full_image_sequence: FRAME + boi + image * n + eoi + FRAME
-# Vision-language families hsx refuses, with the reason.
-REFUSED = {
-    "qwen3_vl_moe": "Qwen3-VL-MoE (deepstack with MoE blocks) is not tested on hsx's vision path",
-    "qwen3_5": "Qwen3.5 (deepstack with linear-attention blocks) is not tested on hsx's vision path",
-    "qwen3_5_moe": "Qwen3.5 (deepstack with linear-attention blocks) is not tested on hsx's vision path",
-}
-
 
 @dataclass
 class ImageInfo:
@@ -223,8 +218,6 @@ class VisionSpec:
     @staticmethod
     def of(model_config, tokenizer, image_processor) -> "VisionSpec":
         kind = getattr(model_config, "model_type", None)
-        if kind in REFUSED:
-            raise HsxError(f"vision-language target {kind!r}: {REFUSED[kind]}; hsx does not run it yet")
         if kind not in MERGED_GRID + PATCHES + FRAMED:
             raise HsxError(f"vision-language target {kind!r}: hsx expands image tokens for "
                            f"{', '.join(MERGED_GRID + PATCHES + FRAMED)} only")

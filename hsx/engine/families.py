@@ -151,16 +151,23 @@ def window_plan(model) -> AttentionPlan | None:
     wrong for a right-padded row shorter than the batch, so such a target decodes (and verifies drafts) with
     masks of its own, by position."""
     types = getattr(model.config.get_text_config(), "layer_types", None) or ()
-    if all(kind == FULL for kind in types):
+    if all(kind == FULL or kind in RECURRENT for kind in types):  # no window (Qwen3.5: linear and full attention)
         return None
     return AttentionPlan.from_model(model, "vision-language target")
 
 
-def has_recurrent_layers(model) -> bool:
-    """Some layers keep a recurrent state instead of keys and values (transformers' reading of the config)."""
+def recurrent_kinds(config) -> tuple[str, ...]:
+    """The layer kinds of a model's ``config`` that keep a recurrent state instead of keys and values, e.g.
+    ``("linear_attention",)`` (transformers' reading of the config)."""
     from transformers.cache_utils import get_layer_types_and_kwargs
 
-    return any(kind in RECURRENT for kind in get_layer_types_and_kwargs(_text_config(model))[0])
+    text = config.get_text_config(decoder=True)
+    return tuple(dict.fromkeys(k for k in get_layer_types_and_kwargs(text)[0] if k in RECURRENT))
+
+
+def has_recurrent_layers(model) -> bool:
+    """Some layers keep a recurrent state instead of keys and values (transformers' reading of the config)."""
+    return bool(recurrent_kinds(model.config))
 
 
 def slot_limit(model) -> int | None:

@@ -14,7 +14,10 @@ the model computes its 3-D positions itself; the stored ``mrope_positions`` and 
 checked against the model's ``get_rope_index`` over the whole sequence (a ``positions`` finding).
 On Gemma 3 it is given ``token_type_ids`` 1 on the stored image blocks (each block attends to itself
 both ways). Boundary 0 is ``hidden_states[0]``, the merged text and vision embeddings. On deepstack models
-(Qwen3-VL) boundaries 1..L-1 are the blocks' inputs, after the deepstack add, as hsx stores them.
+(Qwen3-VL, Qwen3-VL-MoE) boundaries 1..L-1 are the blocks' inputs, after the deepstack add, as hsx stores them.
+On models with recurrent layers (Qwen3.5's Gated DeltaNet) the right padding follows every real token, so the
+batched forward is exact for them; the tolerance adds the recurrent allowance (the engine decoded those layers
+token by token, this forward runs their chunked form), as for text targets.
 """
 
 from __future__ import annotations
@@ -54,12 +57,14 @@ class VisionReference(Reference):
     @staticmethod
     def around(model: torch.nn.Module, spec: VisionSpec, processor) -> VisionReference:
         """A reference around a vision-language model already in memory."""
+        from hsx.engine.families import has_recurrent_layers
         from hsx.engine.hf.vision import language_model
 
         p = next(model.parameters())
         shape = ModelShape.from_config(model.config.get_text_config())
+        # recurrent layers (Qwen3.5): the engine decodes them token by token, this forward runs their chunked form
         return VisionReference(model, shape, p.device, p.dtype, model.model, language_model(model).norm,
-                               spec=spec, processor=processor)
+                               has_recurrent_layers(model), spec=spec, processor=processor)
 
     def sample_states(self, samples: Sequence, ids: Sequence[torch.Tensor], sources, sample_ids: list[str]
                       ) -> tuple[dict, dict[int, list[Finding]]]:

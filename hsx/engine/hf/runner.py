@@ -89,11 +89,12 @@ class HFRunner(Runner):
     def _start_vision(self, cfg: ExtractConfig) -> None:
         """A vision-language target (hsx.engine.hf.vision): what it does not run is refused before it loads."""
         from hsx.engine.hf.engine import SamplingSettings, SpecSettings, load_draft
-        from hsx.engine.hf.vision import VisionEngine, load_vision_target
+        from hsx.engine.hf.vision import VisionEngine, load_vision_target, refuse_drafts
 
         from transformers import AutoConfig
 
-        kind = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code).model_type
+        config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+        kind = config.model_type
         self.spec = SpecSettings(*cfg.spec_settings()) if cfg.speculative else None
         if self.spec is not None and self.spec.topk > 1:
             raise HsxError(f"vision-language target ({kind}): draft trees (--spec-topk {self.spec.topk}) are not run on "
@@ -101,6 +102,8 @@ class HFRunner(Runner):
         if cfg.prefill_chunk is not None:
             raise HsxError(f"vision-language target ({kind}): --prefill-chunk is not run on vision-language targets "
                            "(each prompt is one forward with its images)")
+        if cfg.draft_model is not None:
+            refuse_drafts(config, kind)
         model, self.tokenizer, processor, spec = load_vision_target(cfg.model, self.dtype, cfg.trust_remote_code)
         model.to(self.device)
         try:

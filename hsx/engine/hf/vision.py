@@ -1,11 +1,12 @@
 """Vision-language targets on the transformers engine: batched prefill and plain decoding over chats
-with images (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, LLaVA, Gemma 3; :mod:`hsx.data.images` renders their rows).
+with images (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE, LLaVA, Gemma 3;
+:mod:`hsx.data.images` renders their rows).
 
 A batch is right-padded; one forward gets the padded ids, a 2-D attention mask, the pixels of every
 image of the batch in row order (and ``image_grid_thw`` where the model has one) and explicit
 positions, so the model's own position guesses never decide alignment:
 
-* mRoPE models (Qwen2/2.5-VL): the 3-D positions of the prompt come from the model's
+* mRoPE models (Qwen2/2.5/3-VL, Qwen3.5): the 3-D positions of the prompt come from the model's
   ``get_rope_index`` over the expanded ids with their image-token types; each row's ``rope_delta``
   (its largest prompt position + 1 - its prompt length) is carried into every decode step, whose
   token sits at ``prompt_len + t + rope_delta`` on all three axes;
@@ -18,19 +19,24 @@ attends causally to the cache. On a target with sliding-window layers (Gemma 3) 
 slot and each decode (and verify) step gets the engine's own masks, the window counted in positions
 (:func:`hsx.engine.families.window_plan`).
 
+Qwen3.5's language model has Gated DeltaNet (linear-attention) layers beside full attention: each keeps
+a recurrent state per row that every token it is fed moves, padding included (transformers zeroes a
+padded token's input, but the state still decays by that step's gate). A batched prefill pads on the
+right, after every real token, so its rows are exact; generate decodes each prompt alone (one row
+per forward, no padding), and speculative decoding is refused on such targets (:func:`refuse_drafts`).
+
 The language model's blocks are hooked at their inputs: boundary b < L is what block b receives, so
 boundary 0 is the merged text and vision embeddings (image tokens hold the projected vision
 features; on Gemma 3 the text embeddings are already scaled by sqrt(hidden), the vision features are
-not); L is the final norm's input, ``final`` its output. On deepstack models (Qwen3-VL) the
-vision features of the tower's deepstack layers are added at image tokens to the outputs of blocks
-0..k-1 before the next block receives them: boundaries 1..k are after that add (transformers'
+not); L is the final norm's input, ``final`` its output. On deepstack models (Qwen3-VL, Qwen3-VL-MoE;
+Qwen3.5 has none) the vision features of the tower's deepstack layers are added at image tokens to the
+outputs of blocks 0..k-1 before the next block receives them: boundaries 1..k are after that add (transformers'
 ``hidden_states[b]`` and SGLang's capture hold block b-1's output before it); elsewhere block b's
 input is block b-1's output. Rows follow the usual alignment (``hsx.align``): row j is the state after token j.
 
 Speculative decoding with a draft model or an EAGLE3 head, chains only, is
 :mod:`hsx.engine.hf.vision_drafts`. Not run here (refused before the first forward): draft trees,
-Qwen3-VL-MoE and Qwen3.5, Gemma 3's
-pan-and-scan crops, chunked prefill.
+drafts on targets with recurrent layers (Qwen3.5), Gemma 3's pan-and-scan crops, chunked prefill.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ import torch
 
 from hsx.align import FINAL, AlignedSample, Collector, LayerGroup, teacher_forced
 from hsx.data.images import VisionSpec
-from hsx.engine.families import window_plan
+from hsx.engine.families import recurrent_kinds, window_plan
 from hsx.engine.hf.engine import SamplingSettings, SpecSettings, _choose
 from hsx.errors import HsxError
 
@@ -138,6 +144,10 @@ class VisionEngine:
 
         if draft_model is None and spec_settings is not None:
             raise HsxError("speculative settings given without a draft model")
+        # layers with a recurrent state (Qwen3.5's Gated DeltaNet): never fed padding or rejected tokens
+        self.recurrent = recurrent_kinds(model.config)
+        if draft_model is not None:
+            refuse_drafts(model.config, spec.model_type)
         # a draft model or EAGLE3 head, checked before the first forward
         self.drafts = None if draft_model is None else VisionDrafts(draft_model, model, spec_settings, spec.model_type)
         self.head = self.drafts is not None and self.drafts.head
@@ -227,7 +237,8 @@ class VisionEngine:
 
     def generate(self, prompts, sampling: SamplingSettings) -> list[VisionSample]:
         """Decoding of every prompt in one batch until a stop token or ``max_new_tokens``: plain, or speculative
-        when the engine has a draft (:mod:`hsx.engine.hf.vision_drafts`)."""
+        when the engine has a draft (:mod:`hsx.engine.hf.vision_drafts`). On a target with recurrent layers each
+        prompt is decoded alone, its sampling generator seeded with ``sampling.seed`` as a batch's is."""
         from transformers import DynamicCache
 
         if not prompts:
@@ -236,6 +247,8 @@ class VisionEngine:
             from hsx.engine.hf.vision_drafts import generate_speculative
 
             return self._results(prompts, *generate_speculative(self, prompts, sampling))
+        if self.recurrent and len(prompts) > 1:  # a decode step would feed a right-padded row's state its padding
+            return [vs for p in prompts for vs in self.generate([p], sampling)]
         b = self._batch(prompts)
         batch, dev = len(prompts), self.device
         lengths = torch.tensor(b["lengths"], device=dev)
@@ -300,6 +313,16 @@ class VisionEngine:
                 continue
             if is_stop[i] or n_out >= sampling.max_new_tokens:
                 done[i] = collector.finish(i, n_out, "stop" if is_stop[i] else "length", speculative=False)
+
+
+def refuse_drafts(config, model_type: str) -> None:
+    """Speculative decoding is refused on a target (its ``config``) with recurrent layers: a verify step's rejected
+    tokens would stay in their state (the text engine rolls states back; this batch does not)."""
+    kinds = recurrent_kinds(config)
+    if kinds:
+        raise HsxError(f"vision-language target ({model_type}): speculative decoding is not run on targets with "
+                       f"recurrent layers ({', '.join(map(repr, kinds))}): a verify step's rejected tokens would stay "
+                       "in their state; decode without a draft")
 
 
 def load_vision_target(path: str, dtype: torch.dtype, trust_remote_code: bool = False):

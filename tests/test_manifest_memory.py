@@ -104,3 +104,24 @@ def test_a_manifest_and_its_done_ids_take_tens_of_bytes_a_sample(tmp_path):
     # Python lists of str and int held ~113 bytes a sample and the set of done ids ~34 more
     assert held / n < 50, f"{held / n:.0f} bytes a sample held"
     assert peak / n < 80, f"{peak / n:.0f} bytes a sample at the peak"
+
+
+def test_verify_names_the_ids_an_earlier_shard_holds(tmp_path):
+    """Shard 2 repeats both ids of shard 1, shard 3 one id of its own twice: verify names the two ids in
+    shard 2's faults and nothing for shard 3 (a repeat inside one shard is not an earlier shard's)."""
+    import dataclasses
+
+    from hsx.shards import ShardSink
+    from hsx.shards.verify import verify
+    from shard_fixtures import finite_records
+
+    meta = make_metadata([4], mode="prefill")
+    records = finite_records(meta, [3] * 6)
+    ids = ["a", "b", "b", "a", "c", "c"]  # shards of two: {a, b}, {b, a}, {c, c}
+    records = [dataclasses.replace(r, sample_id=sid) for r, sid in zip(records, ids)]
+    sink = ShardSink(tmp_path / "out", Manifest(meta), max_shard_samples=2)
+    for r in records:
+        sink.add(r)
+    sink.close()
+    faults = [s.faults for s in verify(tmp_path / "out").shards]
+    assert faults == [[], ["sample ids also in an earlier shard: ['a', 'b']"], []]

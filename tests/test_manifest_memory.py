@@ -21,6 +21,7 @@ ID_GRID = {
     "unicode and empty": ["", "é", "日本語", "a b", "train:1", "x"],
     "one long among short": ["s" * 300] + [f"r{i}" for i in range(40)],
     "nul-ended": ["a", "a\0", "b\0\0", "c"],
+    "lone surrogate": ["a", "\ud800", "b\udfffc"],  # not UTF-8, but a Python str a dataset may hold
 }
 
 

@@ -1,12 +1,13 @@
-"""The manifest's per-sample lists, held compactly: a run of 1M samples keeps ~20 bytes a sample in memory.
+"""The manifest's per-sample lists, held compactly: tens of bytes a sample in memory, not over a hundred.
 
 A shard entry lists every sample id and source index it holds; read back as Python lists of ``str``
 and ``int`` that is over 100 bytes a sample. :class:`PackedStrings` holds a list of strings as one
 UTF-8 buffer and the end offset of each, :class:`PackedInts` a list of integers as one numpy array;
 both read as the lists they replace (``len``, indexing, iteration, ``==`` with a list). :class:`IdSet`
 is the set of sample ids a resumed run skips, one sorted array of fixed-width bytes; :func:`repeats`
-finds the ids that an earlier list holds too. Ids whose fixed width would not be compact (a few very
-long ids among short ones) or that end in a NUL byte (which numpy's bytes arrays drop) fall back to
+finds the ids that an earlier list holds too. Lone surrogates pass through the UTF-8 encoding, so
+any Python string packs and reads back. Ids whose fixed width would not be compact (a few very long
+ids among short ones) or that end in a NUL byte (which numpy's bytes arrays drop) fall back to
 Python sets.
 """
 
@@ -25,7 +26,7 @@ class PackedStrings(Sequence):
     __slots__ = ("_data", "_ends")
 
     def __init__(self, values: Iterable[str] = ()):
-        encoded = [v.encode() for v in values]
+        encoded = [v.encode("utf-8", "surrogatepass") for v in values]
         self._data = b"".join(encoded)
         self._ends = _smallest(np.cumsum([len(b) for b in encoded], dtype=np.int64))
 
@@ -47,12 +48,12 @@ class PackedStrings(Sequence):
     def __getitem__(self, k):
         if isinstance(k, slice):
             return [self[i] for i in range(*k.indices(len(self)))]
-        return self._bytes(range(len(self))[k]).decode()
+        return self._bytes(range(len(self))[k]).decode("utf-8", "surrogatepass")
 
     def __iter__(self) -> Iterator[str]:
         data, start = self._data, 0
         for end in self._ends.tolist():
-            yield data[start:end].decode()
+            yield data[start:end].decode("utf-8", "surrogatepass")
             start = end
 
     def encoded(self) -> list[bytes]:
@@ -170,7 +171,7 @@ class IdSet:
         self._sorted = keys
 
     def _in_sorted(self, sid: str) -> bool:
-        key = sid.encode()
+        key = sid.encode("utf-8", "surrogatepass")
         if len(key) > self._sorted.itemsize or key.endswith(b"\0") or not len(self._sorted):
             return False
         k = int(np.searchsorted(self._sorted, key))
@@ -184,7 +185,7 @@ class IdSet:
 
     def __iter__(self) -> Iterator[str]:
         for key in self._sorted:
-            yield key.decode()
+            yield key.decode("utf-8", "surrogatepass")
         yield from self._extra
 
     def add(self, sid: str) -> None:
@@ -233,5 +234,5 @@ def repeats(lists: Sequence[PackedStrings]) -> dict[int, list[str]]:
     later = np.flatnonzero(owner > first)
     found: dict[int, set[str]] = {}
     for j in later.tolist():
-        found.setdefault(int(owner[j]), set()).add(keys[j].decode())
+        found.setdefault(int(owner[j]), set()).add(keys[j].decode("utf-8", "surrogatepass"))
     return {k: sorted(v) for k, v in sorted(found.items())}

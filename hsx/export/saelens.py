@@ -20,7 +20,7 @@ dropped (SAELens' ``disable_concat_sequences``). Row j of a context is a stored 
 than ``all`` a context holds the kept rows back to back.
 
 Values: bfloat16 and float16 shards become float32 exactly; ``float16`` output refuses values
-outside its range. Memory: one Arrow block of contexts (~64 MB) and the rows being read: a long sample
+outside its range. Memory: one Arrow block of contexts (~16 MB) and the rows being read: a long sample
 comes a stored piece at a time (docs/FORMAT.md, "Long samples"), never whole. The files
 are renamed into place and ``state.json`` is written last, so DST is never a partial dataset that
 loads; a finished export with the same source and parameters is left as it is.
@@ -44,7 +44,7 @@ from hsx.shards import ShardDataset, open_shards
 
 FORMAT = "saelens-cached-activations"
 CHECKED_WITH = "sae-lens 6.54.12"
-BLOCK_BYTES = 64 << 20
+BLOCK_BYTES = 16 << 20
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 

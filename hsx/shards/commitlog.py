@@ -64,12 +64,13 @@ def segment_path(directory, number: int):
     return as_path(directory) / LOG_DIR / f"segment-{number:06d}.json"
 
 
-def read_log(directory, path, head: dict) -> tuple[list[dict], list[dict], LogState]:
-    """Every shard entry and error record (as dicts) the head's segments and the log after them hold."""
+def read_log(directory, path, head: dict, shard_of=lambda s: s) -> tuple[list, list[dict], LogState]:
+    """Every shard entry (as ``shard_of`` makes it of its dict, one segment or record at a time) and error
+    record (as a dict) the head's segments and the log after them hold."""
     shards, errors = [], []
     for seg in head["segments"]:
         body = _parse(_read_checked(as_path(directory) / LOG_DIR / seg["file"], seg["xxh3_128"]), seg["file"])
-        shards += body["shards"]
+        shards += map(shard_of, body["shards"])
         errors += body["errors"]
     folded = len(shards), len(errors)
     complete, number = bool(head["complete"]), head["log_from"]
@@ -78,7 +79,7 @@ def read_log(directory, path, head: dict) -> tuple[list[dict], list[dict], LogSt
         if body.get("record") != number:
             raise ShardError(f"{record_path(directory, number)}: says it is record {body.get('record')!r}, "
                              f"expected {number} (a file copied in from another output?)")
-        shards += body["shards"]
+        shards += map(shard_of, body["shards"])
         errors += body["errors"]
         complete = bool(body["complete"])
         number += 1

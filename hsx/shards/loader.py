@@ -92,7 +92,7 @@ class TokenLoader(IterableDataset):
             raise HsxError(f"read_ahead must be >= 0, got {read_ahead}")
         self.read_ahead = int(read_ahead)
         self.epoch = 0
-        self.sample_ids = ds.sample_ids
+        self._ds, self._sample_ids = ds, None  # the ids listed when first asked for (sample_ids)
         # a sample's place in the shards -> its index in hsx.open(path) (source order, format 3)
         self._dataset_index = np.empty(len(ds._index), dtype=np.int64)
         self._dataset_index[ds._index] = np.arange(len(ds._index))
@@ -100,6 +100,14 @@ class TokenLoader(IterableDataset):
         self._layers = [g for g in ds.metadata["layers"] if g["name"] in self.columns]
         self._groups = [_row_groups(p) for p in self._paths]  # samples starting in each row group, per shard
         self._starts = [int(x) for x in ds._starts]
+
+    @property
+    def sample_ids(self) -> list[str]:
+        """The id of each ``sample_index``: listed when first asked for (a Python list of every id is
+        ~70 bytes a sample, held for as long as the loader)."""
+        if self._sample_ids is None:
+            self._sample_ids = self._ds.sample_ids
+        return self._sample_ids
 
     def set_epoch(self, epoch: int) -> None:
         """Reshuffle for ``epoch`` (call before each epoch, as with DistributedSampler)."""

@@ -29,6 +29,7 @@ from hsx.errors import ShardError
 from hsx.shards import commitlog
 from hsx.shards.commitlog import MANIFEST_VERSION, LogState, append, fold, fsync_dir, read_log, start_log
 from hsx.shards.commitlog import atomic_write_bytes  # noqa: F401  (the run and the exports take it from here)
+from hsx.shards.packed import IdSet, PackedInts, PackedStrings
 from hsx.storage.store import as_path, is_remote
 
 MANIFEST = ".hsx-manifest.json"
@@ -37,7 +38,7 @@ LEGACY_MANIFEST, LEGACY_CONFIG = "manifest.json", "config.json"  # before format
 MANIFEST_FORMAT = "hsx-manifest"
 
 
-@dataclass
+@dataclass(slots=True)
 class ShardEntry:
     file: str
     samples: int
@@ -45,8 +46,20 @@ class ShardEntry:
     tokens: int
     bytes: int
     xxh3_128: str
-    sample_ids: list[str]
-    source_indices: list[int] | None = None  # per sample, as sample_ids (format 3; None in older manifests)
+    sample_ids: PackedStrings  # given as a list of str, held packed (hsx.shards.packed)
+    source_indices: PackedInts | None = None  # per sample, as sample_ids (format 3; None in older manifests)
+
+    def __post_init__(self):
+        if not isinstance(self.sample_ids, PackedStrings):
+            self.sample_ids = PackedStrings(self.sample_ids)
+        if self.source_indices is not None and not isinstance(self.source_indices, PackedInts):
+            self.source_indices = PackedInts(self.source_indices)
+
+    def to_json(self) -> dict:
+        """The entry as the manifest stores it: its lists as JSON lists."""
+        return {"file": self.file, "samples": self.samples, "rows": self.rows, "tokens": self.tokens,
+                "bytes": self.bytes, "xxh3_128": self.xxh3_128, "sample_ids": list(self.sample_ids),
+                "source_indices": None if self.source_indices is None else list(self.source_indices)}
 
 
 @dataclass
@@ -70,14 +83,14 @@ class Manifest:
     def num_samples(self) -> int:
         return sum(s.samples for s in self.shards)
 
-    def done_ids(self) -> set[str]:
-        """Sample ids that need no more work: written, or recorded as errors."""
-        return {i for s in self.shards for i in s.sample_ids} | {e.sample_id for e in self.errors}
+    def done_ids(self) -> IdSet:
+        """Sample ids that need no more work: written, or recorded as errors (a set, held as one sorted array)."""
+        return IdSet([*(s.sample_ids for s in self.shards), PackedStrings(e.sample_id for e in self.errors)])
 
     def to_json(self) -> dict:
         """Everything the manifest commits, as one JSON object (the layout of a version 1 manifest)."""
         return {"format": MANIFEST_FORMAT, "metadata": self.metadata, "config_hash": self.config_hash,
-                "shards": [asdict(s) for s in self.shards], "errors": [asdict(e) for e in self.errors],
+                "shards": [s.to_json() for s in self.shards], "errors": [asdict(e) for e in self.errors],
                 "complete": self.complete}
 
 
@@ -177,16 +190,17 @@ def load_manifest(directory: str | Path) -> Manifest:
     try:
         if version == 1:
             shards, errors, complete, log = raw["shards"], raw.get("errors", []), raw.get("complete", False), None
-        elif version == MANIFEST_VERSION:
-            shards, errors, log = read_log(directory, path, raw)
+            shards = [ShardEntry(**s) for s in shards]
+        elif version == MANIFEST_VERSION:  # each segment's entries packed as it is read
+            shards, errors, log = read_log(directory, path, raw, lambda s: ShardEntry(**s))
             complete = log.complete
         else:
             raise ShardError(f"{path}: manifest version {version!r}; this hsx reads versions 1 to {MANIFEST_VERSION} "
                              "(a newer hsx wrote it: upgrade hsx)")
         return Manifest(metadata=raw["metadata"], config_hash=raw.get("config_hash"),
-                        shards=[ShardEntry(**s) for s in shards], errors=[ErrorRecord(**e) for e in errors],
+                        shards=shards, errors=[ErrorRecord(**e) for e in errors],
                         complete=bool(complete), log=log)
-    except (KeyError, TypeError) as e:
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise ShardError(f"{path}: manifest is missing or has malformed fields ({e})") from None
 
 
@@ -200,15 +214,15 @@ def save_manifest(directory: str | Path, manifest: Manifest) -> None:
     log = manifest.log
     if log is None:
         fields = {"metadata": manifest.metadata, "config_hash": manifest.config_hash}
-        manifest.log = start_log(directory, manifest_path(directory), fields, [asdict(s) for s in manifest.shards],
+        manifest.log = start_log(directory, manifest_path(directory), fields, [s.to_json() for s in manifest.shards],
                                  [asdict(e) for e in manifest.errors], manifest.complete)
         return
     shards, errors = manifest.shards[log.shards:], manifest.errors[log.errors:]
     if not shards and not errors and manifest.complete == log.complete:
         return
-    append(directory, log, [asdict(s) for s in shards], [asdict(e) for e in errors], manifest.complete)
+    append(directory, log, [s.to_json() for s in shards], [asdict(e) for e in errors], manifest.complete)
     if log.records >= commitlog.COMPACT_EVERY:
-        fold(directory, log, [asdict(s) for s in manifest.shards[log.folded_shards:]],
+        fold(directory, log, [s.to_json() for s in manifest.shards[log.folded_shards:]],
              [asdict(e) for e in manifest.errors[log.folded_errors:]])
 
 

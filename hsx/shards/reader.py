@@ -440,7 +440,7 @@ def _source_order(entries: list[ShardEntry]) -> np.ndarray | None:
     committed in; None (manifest order) for a manifest that does not list source indices."""
     if not entries or any(e.source_indices is None for e in entries):
         return None
-    return np.argsort(np.concatenate([np.asarray(e.source_indices, dtype=np.int64) for e in entries]), kind="stable")
+    return np.argsort(np.concatenate([e.source_indices.array for e in entries]).astype(np.int64, copy=False), kind="stable")
 
 
 def open_shards(path: str | Path, cache_shards: int = 4, cache_blocks: int | None = None) -> ShardDataset:

@@ -414,9 +414,10 @@ def load_shard(path: Path, entry: ShardEntry | None, cache_blocks: int | None = 
     if entry is not None:
         if table.num_rows != entry.samples:
             raise ShardError(f"{path}: {table.num_rows} samples, manifest says {entry.samples}")
-        if table.column("sample_id").to_pylist() != entry.sample_ids:
+        if entry.sample_ids != table.column("sample_id").to_pylist():
             raise ShardError(f"{path}: sample ids differ from the manifest's list")
-        if entry.source_indices is not None and table.column("source_index").to_pylist() != entry.source_indices:
+        if entry.source_indices is not None and \
+                not np.array_equal(table.column("source_index").to_numpy(), entry.source_indices.array):
             raise ShardError(f"{path}: source indices differ from the manifest's list")
     shard = Shard(path, source, parquet, raw, table, meta, cache_blocks, page_checksums=entry is None)
     if entry is None and check_hidden:

@@ -29,6 +29,7 @@ from hsx.run.scale.cluster import join_refusal, use_token_if_present
 from hsx.run.scale.worker import ExtractWorker
 from hsx.storage.lock import output_lock
 from hsx.shards.manifest import ErrorRecord, Manifest, ShardEntry, publish, save_manifest, shard_path
+from hsx.shards.packed import IdSet, PackedInts, PackedStrings
 from hsx.storage.store import as_path
 from hsx.run.stopping import keep_sigterm_handler
 
@@ -41,24 +42,31 @@ COUNTS = ("samples", "resumed", "errors", "tokens", "completion_tokens", "rows",
 @dataclass
 class Unit:
     index: int
-    rows: list[int]  # source indices, increasing
-    ids: list[str]  # the sample id each row will get (as the renderer names it)
+    rows: PackedInts  # source indices, increasing (a list of int, held packed)
+    ids: PackedStrings  # the sample id each row will get (as the renderer names it)
 
 
 def plan_units(cfg: ExtractConfig, id_values: list | None, num_rows: int) -> list[Unit]:
-    """Deterministic units: ``[k * size, (k + 1) * size)``, a repeated id joining its first row's unit."""
+    """Deterministic units: ``[k * size, (k + 1) * size)``, a repeated id joining its first row's unit.
+    Each unit's rows and ids are held packed: the driver keeps every unit for the whole run."""
     size = cfg.rows_per_unit
-    units = [Unit(k, [], []) for k in range((num_rows + size - 1) // size)]
+    starts = range(0, num_rows, size)
+    if id_values is None:  # every row its own id: each unit its window
+        return [Unit(k, PackedInts(range(a, min(a + size, num_rows))),
+                     PackedStrings(f"{cfg.split}:{i}" for i in range(a, min(a + size, num_rows))))
+                for k, a in enumerate(starts)]
+    rows: list[list[int]] = [[] for _ in starts]
+    ids: list[list[str]] = [[] for _ in starts]
     owner: dict[str, int] = {}
     for i in range(num_rows):
         k = i // size
-        value = None if id_values is None else id_values[i]
+        value = id_values[i]
         sid = f"{cfg.split}:{i}" if value is None else str(value)
         if value is not None:
             k = owner.setdefault(sid, k)
-        units[k].rows.append(i)
-        units[k].ids.append(sid)
-    return units
+        rows[k].append(i)
+        ids[k].append(sid)
+    return [Unit(k, PackedInts(r), PackedStrings(d)) for k, (r, d) in enumerate(zip(rows, ids))]
 
 
 def dataset_units(cfg: ExtractConfig, rows) -> list[Unit]:
@@ -299,7 +307,7 @@ def _schedule(out: Path, rows, units: list[Unit], pool: _Pool, manifest: Manifes
         bar.close()
 
 
-def _commit(out: Path, manifest: Manifest, unit: Unit, result: dict, done: set[str]) -> None:
+def _commit(out: Path, manifest: Manifest, unit: Unit, result: dict, done: IdSet) -> None:
     """Append one unit's shards and error records to the manifest and save it."""
     entries = [ShardEntry(**s) for s in result["shards"]]
     errors = [ErrorRecord(**e) for e in result["errors"]]

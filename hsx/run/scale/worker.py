@@ -98,7 +98,7 @@ class ExtractWorker:
         finally:
             sink.close(complete=False)
         return {"unit": unit, "pid": os.getpid(), "host": socket.gethostname(),
-                "shards": [asdict(s) for s in manifest.shards], "errors": [asdict(e) for e in manifest.errors],
+                "shards": [s.to_json() for s in manifest.shards], "errors": [asdict(e) for e in manifest.errors],
                 "summary": asdict(summary)}
 
     def stream_unit(self, rows: list) -> list[dict]:

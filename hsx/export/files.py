@@ -128,4 +128,3 @@ def vision_note(meta: dict, rows_hold: str) -> dict | None:
     if v.get("deepstack"):
         note["deepstack"] = v["deepstack"]
     return note
-

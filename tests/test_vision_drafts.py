@@ -49,16 +49,10 @@ def root(tmp_path_factory):
 def text_twin(t):
     """A text causal LM holding the target's language model and lm_head: on text tokens at 1-D positions (all
     three mRoPE axes equal) it is the target, so it drafts what the target chooses there."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     if t.family == "gemma3":  # its text config is a causal LM's own (sliding layers, scaled embeddings and all)
-        config = t.model.config.get_text_config(decoder=True)
-        twin = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
-        state = {f"model.{k}": v for k, v in t.model.model.language_model.state_dict().items()}
-        state["lm_head.weight"] = t.model.lm_head.weight
-        missing, unexpected = twin.load_state_dict(state, strict=False)
-        assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
-        return twin
+        return _twin_of(t, t.model.config.get_text_config(decoder=True))
     text = t.model.config.get_text_config(decoder=True).to_dict()
     cls = {"qwen2_5_vl": Qwen2Config, "qwen2_vl": Qwen2Config, "qwen3_vl": Qwen3Config, "qwen3_vl_moe": Qwen3MoeConfig,
            "llava": LlamaConfig}[t.family]
@@ -70,6 +64,13 @@ def text_twin(t):
     config = cls(**{k: text[k] for k in keep if k in text}, rope_parameters={"rope_type": "default",
                                                                             "rope_theta": 10000.0},
                  tie_word_embeddings=False, **moe)
+    return _twin_of(t, config)
+
+
+def _twin_of(t, config):
+    """A causal LM of ``config`` holding the target's language model and lm_head."""
+    from transformers import AutoModelForCausalLM
+
     twin = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").float().eval()
     state = {f"model.{k}": v for k, v in t.model.model.language_model.state_dict().items()}
     state["lm_head.weight"] = t.model.lm_head.weight

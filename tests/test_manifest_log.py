@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -83,6 +84,44 @@ def test_the_log_folds_into_segments_and_reads_back_the_same_manifest(tmp_path):
     records = sorted(p.name for p in (d / commitlog.LOG_DIR).glob("log-*.json"))
     assert len(records) == len(m.shards) + 1 - 2 * commitlog.COMPACT_EVERY  # the unfolded ones (and the close)
     assert "shards" not in head  # entries live in segments and records only
+
+
+@pytest.mark.parametrize("resume_at", [None, 40, commitlog.COMPACT_EVERY + 3])
+def test_records_and_segments_hold_each_entrys_json(tmp_path, resume_at):
+    """A record is ``json.dumps`` of its body and a segment of the entries it folds (compact separators),
+    whether the fold joins the texts its own records wrote or, after a resume with records unfolded,
+    encodes them again; ids outside ASCII and error records among them."""
+    meta = make_metadata([4], mode="prefill")
+    d = tmp_path / "out"
+    m = Manifest(meta)
+    d.mkdir()
+    save_manifest(d, m)
+    sink = ShardSink(d, m, max_shard_samples=1)
+    for i in range(commitlog.COMPACT_EVERY * 2 + 5):
+        if i == resume_at:  # a new writer on what is on disk: records since the last fold it did not write
+            sink.close()
+            sink = ShardSink(d, load_manifest(d), max_shard_samples=1)
+        record = tiny_record(i, meta)
+        if i % 5 == 0:
+            record.sample_id = f"é{i}✓"
+        sink.add(record)
+        if i % 7 == 0:
+            sink.add_error(f"bad{i}ü", 5000 + i, "test error ✗")
+    m = sink.close()
+    compact = {"separators": (",", ":")}
+    shards, errors = [s.to_json() for s in m.shards], [asdict(e) for e in m.errors]
+    head = json.loads((d / MANIFEST).read_text())
+    at_shard = at_error = 0
+    for seg in head["segments"]:
+        body = {"shards": shards[at_shard:at_shard + seg["shards"]], "errors": errors[at_error:at_error + seg["errors"]]}
+        assert (d / commitlog.LOG_DIR / seg["file"]).read_bytes() == json.dumps(body, **compact).encode(), seg
+        at_shard, at_error = at_shard + seg["shards"], at_error + seg["errors"]
+    assert len(head["segments"]) == 2 and at_shard == commitlog.COMPACT_EVERY * 2 - (resume_at is not None)
+    for path in sorted((d / commitlog.LOG_DIR).glob("log-*.json")):
+        body = json.loads(path.read_bytes())
+        assert path.read_bytes() == json.dumps(body, **compact).encode()
+        at_shard += len(body["shards"])
+    assert at_shard == len(shards) and load_manifest(d).to_json() == m.to_json() and verify(d).ok
 
 
 def test_a_segment_rewritten_after_its_commit_is_an_error_naming_it(tmp_path):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import errno
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import xxhash
@@ -49,6 +49,9 @@ class LogState:
     folded_shards: int  # of which in segments
     folded_errors: int
     complete: bool  # as the last record (or the head) says
+    # the unfolded entries as this process encoded them in its records (JSON text each), so that a fold
+    # joins them instead of encoding them again; None when records it did not write are unfolded
+    encoded: tuple[list[str], list[str]] | None = field(default=None, repr=False)
 
     @property
     def records(self) -> int:
@@ -74,6 +77,7 @@ def read_log(directory, path, head: dict, shard_of=lambda s: s) -> tuple[list, l
         errors += body["errors"]
     folded = len(shards), len(errors)
     complete, number = bool(head["complete"]), head["log_from"]
+    first = number
     while (raw := _read_optional(record_path(directory, number))) is not None:
         body = _parse(raw, record_path(directory, number))
         if body.get("record") != number:
@@ -83,7 +87,8 @@ def read_log(directory, path, head: dict, shard_of=lambda s: s) -> tuple[list, l
         errors += body["errors"]
         complete = bool(body["complete"])
         number += 1
-    return shards, errors, LogState(path, head, number, len(shards), len(errors), *folded, complete)
+    return shards, errors, LogState(path, head, number, len(shards), len(errors), *folded, complete,
+                                    ([], []) if number == first else None)
 
 
 def start_log(directory, path, fields: dict, shards: list[dict], errors: list[dict], complete: bool) -> LogState:
@@ -91,29 +96,41 @@ def start_log(directory, path, fields: dict, shards: list[dict], errors: list[di
     for a new output; every entry of an output written before format 7, which is rewritten this way once).
     A log left by a manifest this one replaces is removed first."""
     _clear(as_path(directory) / LOG_DIR)
-    segments = [_write_segment(directory, 0, shards, errors)] if shards or errors else []
+    segments = [_write_segment(directory, 0, _encode(shards), _encode(errors))] if shards or errors else []
     head = {"format": "hsx-manifest", "version": MANIFEST_VERSION, **fields, "segments": segments,
             "log_from": 0, "complete": complete}
     _save_head(path, head)
-    return LogState(path, head, 0, len(shards), len(errors), len(shards), len(errors), complete)
+    return LogState(path, head, 0, len(shards), len(errors), len(shards), len(errors), complete, ([], []))
 
 
 def append(directory, state: LogState, shards: list[dict], errors: list[dict], complete: bool) -> None:
     """Commit ``shards`` and ``errors`` (the entries after ``state``'s) with one new record."""
     number = state.next_record
-    body = {"record": number, "shards": shards, "errors": errors, "complete": complete}
-    _create(record_path(directory, number), json.dumps(body, separators=(",", ":")).encode())
+    shard_text, error_text = _encode(shards), _encode(errors)
+    # the bytes json.dumps(body, separators=(",", ":")) gives, built from the entries' own texts
+    body = (f'{{"record":{number},"shards":[{",".join(shard_text)}],"errors":[{",".join(error_text)}],'
+            f'"complete":{"true" if complete else "false"}}}')
+    _create(record_path(directory, number), body.encode())
+    if state.encoded is not None:
+        state.encoded[0].extend(shard_text)
+        state.encoded[1].extend(error_text)
     state.next_record += 1
     state.shards += len(shards)
     state.errors += len(errors)
     state.complete = complete
 
 
-def fold(directory, state: LogState, shards: list[dict], errors: list[dict]) -> None:
-    """Fold the unfolded records (whose entries are ``shards`` and ``errors``) into a new segment named by
-    a new head; then delete them. What this writes is what those records held, plus the head."""
+def fold(directory, state: LogState, entries) -> None:
+    """Fold the unfolded records into a new segment named by a new head; then delete them. What this writes
+    is what those records held, plus the head. Their entries are joined from the texts this process wrote
+    them with; ``entries()`` gives them as ``(shards, errors)`` dicts when records it did not write are
+    among them (a resumed run's first fold)."""
     head = state.head
-    segment = _write_segment(directory, len(head["segments"]), shards, errors)
+    if state.encoded is None:
+        shards, errors = entries()
+        state.encoded = (_encode(shards), _encode(errors))
+    segment = _write_segment(directory, len(head["segments"]), *state.encoded)
+    state.encoded = ([], [])
     folded = range(head["log_from"], state.next_record)
     new_head = {**head, "segments": [*head["segments"], segment], "log_from": state.next_record,
                 "complete": state.complete}
@@ -132,8 +149,14 @@ def _clear(log_dir) -> None:
         p.unlink()
 
 
-def _write_segment(directory, number: int, shards: list[dict], errors: list[dict]) -> dict:
-    data = json.dumps({"shards": shards, "errors": errors}, separators=(",", ":")).encode()
+def _encode(entries: list[dict]) -> list[str]:
+    return [json.dumps(e, separators=(",", ":")) for e in entries]
+
+
+def _write_segment(directory, number: int, shards: list[str], errors: list[str]) -> dict:
+    """A segment of the entries given as JSON texts (the bytes of ``json.dumps({"shards": ..., "errors": ...},
+    separators=(",", ":"))``)."""
+    data = f'{{"shards":[{",".join(shards)}],"errors":[{",".join(errors)}]}}'.encode()
     path = segment_path(directory, number)
     if not is_remote(path):
         path.parent.mkdir(exist_ok=True)

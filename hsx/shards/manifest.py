@@ -222,8 +222,8 @@ def save_manifest(directory: str | Path, manifest: Manifest) -> None:
         return
     append(directory, log, [s.to_json() for s in shards], [asdict(e) for e in errors], manifest.complete)
     if log.records >= commitlog.COMPACT_EVERY:
-        fold(directory, log, [s.to_json() for s in manifest.shards[log.folded_shards:]],
-             [asdict(e) for e in manifest.errors[log.folded_errors:]])
+        fold(directory, log, lambda: ([s.to_json() for s in manifest.shards[log.folded_shards:]],
+                                      [asdict(e) for e in manifest.errors[log.folded_errors:]]))
 
 
 def file_checksum(path: str | Path) -> str:

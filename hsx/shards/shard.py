@@ -407,7 +407,7 @@ def load_shard(path: Path, entry: ShardEntry | None, cache_blocks: int | None = 
     check_schema(schema, meta, str(path))
     hidden = {g["name"] for g in meta["layers"]}
     try:
-        raw = parquet.read(columns=[n for n in schema.names if n not in hidden], use_threads=True)
+        raw = parquet.read(columns=[n for n in schema.names if n not in hidden], use_threads=False)
     except _READ_ERRORS as e:
         raise ShardError(f"{path}: unreadable Parquet ({e})") from None
     table = fmt.join_pieces(raw, meta, str(path))  # from here on a row is a sample

@@ -23,6 +23,15 @@ fresh process (its peak resident memory is VmHWM, imports included):
   extract     ``hsx extract --mode prefill`` end to end on a tiny random Llama (2 blocks, width 64, built
               here), one short text a sample, ``--per-shard`` samples a shard; its own output
   extract-gen the same with ``--mode generate`` and 4 new tokens a sample
+  extract-ray ``extract`` with ``--ray``: two engine workers (1 CPU each) on a local Ray cluster the step
+              starts; seconds, CPU and peak RSS are the driver's (it plans the units and commits them)
+  ranks       the rank feed: two trainer processes under torchrun, each ``hsx.stream(config, rank, 2)`` over
+              one pool of two Ray engine workers (prefill), counting its records; seconds are the slower
+              rank's, CPU the ranks' sum, peak RSS the larger rank's (the Ray cluster, started beforehand,
+              and its workers are not counted)
+  extract-eagle3  ``extract --layers final,eagle3,8`` (prefill) on an 8-block tiny Llama (width 32), kept for the next two
+  export-speculators  ``hsx export speculators`` of that output (a file per sample)
+  export-specforge    ``hsx export specforge`` of that output (a file per sample)
 
     python scripts/bench_scale.py --samples 10000 100000               # local disk
     python scripts/bench_scale.py --samples 10000 --store s3://bucket/prefix   # endpoint from AWS_* variables
@@ -49,7 +58,9 @@ import time
 from pathlib import Path
 
 STEPS = ("write", "commits", "rerun", "open", "random", "inspect", "verify", "loader", "export", "input", "input-disk",
-         "extract", "extract-gen")
+         "extract", "extract-gen", "extract-ray", "ranks", "extract-eagle3", "export-speculators", "export-specforge")
+EAGLE3 = ("extract-eagle3", "export-speculators", "export-specforge")  # one eagle3 output, made by the first
+RANKS = 2  # trainer processes of the ``ranks`` step
 
 CHILD = r"""
 import json, random, sys, time
@@ -89,12 +100,17 @@ if step == "input-disk":  # the saved folder, from the JSONL, before the clock s
     datasets.load_dataset("json", data_files={"train": aside + ".jsonl"})["train"].save_to_disk(aside)
     datasets.disable_caching()
     reset_peak()
-if step.startswith("extract"):
+if step.startswith("extract") or step == "ranks":
+    import os
     from hsx.config import ExtractConfig
     from hsx.run.pipeline import extract
-    cfg = ExtractConfig(model=aside + "-model", dataset=aside + ".jsonl", output=out, text_field="text", layers="final",
-                        mode="prefill" if step == "extract" else "generate", max_new_tokens=4, batch_size=64,
-                        max_shard_samples=per_shard, device="cpu")
+    eagle3 = step == "extract-eagle3"
+    scaled = {"ray": True, "num_workers": 2, "cpus_per_worker": 1.0,
+              "ray_address": os.environ.get("BENCH_RAY_ADDRESS", "local")} if step in ("extract-ray", "ranks") else {}
+    cfg = ExtractConfig(model=aside + ("-model8" if eagle3 else "-model"), dataset=aside + ".jsonl", output=out,
+                        text_field="text", layers="final,eagle3,8" if eagle3 else "final",
+                        mode="generate" if step == "extract-gen" else "prefill", max_new_tokens=4, batch_size=64,
+                        max_shard_samples=per_shard, device="cpu", **scaled)
 w0, t0, c0 = written(), time.perf_counter(), time.process_time()
 if step == "write":
     sink = ShardSink(out, Manifest(meta, config_hash="bench"), max_shard_samples=per_shard)
@@ -145,20 +161,50 @@ elif step in ("input", "input-disk"):
 elif step.startswith("extract"):
     summary = extract(cfg, progress=False)
     assert summary.samples == n, summary
-print(json.dumps({"seconds": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, "peak_mb": peak_kb() / 1024,
-                  "written_mb": (written() - w0) / 2**20}))
+elif step == "ranks":
+    feed = hsx.stream(cfg.validate(output=False).to_dict(), rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    try:
+        got = sum(1 for _ in feed.records())
+    finally:
+        feed.close()
+    assert got in (n // int(os.environ["WORLD_SIZE"]), -(-n // int(os.environ["WORLD_SIZE"]))), got
+elif step == "export-speculators":
+    from hsx.export import export_speculators
+    assert export_speculators(out, aside + "-exported", progress=False).samples == n
+elif step == "export-specforge":
+    from hsx.export import export_specforge
+    assert export_specforge(out, aside + "-exported", progress=False).samples == n
+result = json.dumps({"seconds": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, "peak_mb": peak_kb() / 1024,
+                  "written_mb": (written() - w0) / 2**20})
+if step == "ranks":  # torchrun's ranks share a stdout: each writes a file of its own
+    with open(f"{aside}.rank{os.environ['RANK']}.json", "w") as f:
+        f.write(result)
+print(result)
 """
 
 
-def run_step(step: str, out: str, n: int, per_shard: int, aside: str, cache: str) -> dict:
+def run_step(step: str, out: str, n: int, per_shard: int, aside: str, cache: str, ray_address: str | None = None) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": cache}
+    args = [step, out, str(n), str(per_shard), aside]
     # run from the temp folder: ``python -c`` puts its working directory first on sys.path, and a checkout's
     # hsx there would shadow the one PYTHONPATH names
-    proc = subprocess.run([sys.executable, "-c", CHILD, step, out, str(n), str(per_shard), aside], check=False,
-                          capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
+    if step != "ranks":
+        cmd = [sys.executable, "-c", CHILD, *args]
+    else:  # torchrun runs a file: the child written beside the inputs
+        Path(aside + ".child.py").write_text(CHILD)
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            env.pop(name, None)
+        env["BENCH_RAY_ADDRESS"] = ray_address
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(RANKS),
+               "--max-restarts", "0", aside + ".child.py", *args]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
     if proc.returncode != 0:
-        raise SystemExit(f"{step} at {n:,} samples failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+        raise SystemExit(f"{step} at {n:,} samples failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    if step != "ranks":
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    ranks = [json.loads(Path(f"{aside}.rank{r}.json").read_text()) for r in range(RANKS)]
+    return {"seconds": max(r["seconds"] for r in ranks), "cpu_s": sum(r["cpu_s"] for r in ranks),
+            "peak_mb": max(r["peak_mb"] for r in ranks), "written_mb": sum(r["written_mb"] for r in ranks)}
 
 
 def location(base: str, name: str) -> str:
@@ -173,7 +219,7 @@ def write_texts(path: Path, n: int) -> None:
                      for i in range(n))
 
 
-def build_model(path: Path) -> None:
+def build_model(path: Path, num_layers: int = 2, hidden_size: int = 64) -> None:
     """A tiny random Llama and the demo tokenizer (no download): what is timed is hsx's own work."""
     import torch
 
@@ -181,7 +227,7 @@ def build_model(path: Path) -> None:
     from hsx.demo.tokenizer import build_demo_tokenizer
 
     tok = build_demo_tokenizer()
-    model = build_tiny_llama(num_layers=2, hidden_size=64, vocab_size=len(tok))
+    model = build_tiny_llama(num_layers=num_layers, hidden_size=hidden_size, vocab_size=len(tok))
     model.to(torch.float32).save_pretrained(path)
     tok.save_pretrained(path)
 
@@ -201,23 +247,32 @@ def main() -> None:
     base = args.store or tempfile.mkdtemp(prefix="hsx-bench-scale-")
     work = Path(tempfile.mkdtemp(prefix="hsx-bench-scale-work-"))  # inputs, the model, exports: local disk
     rows = []
+    ray_address = None
     try:
-        if any(step.startswith("extract") for step in args.steps):
+        if any(step.startswith("extract") or step == "ranks" for step in args.steps):
             build_model(work / "texts-model")
+        if any(step in EAGLE3 for step in args.steps):
+            build_model(work / "texts-model8", num_layers=8, hidden_size=32)  # eagle3: 3 distinct boundaries
+        if "ranks" in args.steps:  # one cluster for the ranks' runs (a rank joins it; it does not start one)
+            import ray
+
+            ray.init(address="local", num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False)
+            ray_address = ray.get_runtime_context().gcs_address
         for n in args.samples:
             out = location(base, f"n{n}" if args.keep or args.reuse else f"n{n}-{int(time.time())}")
+            eagle3_out = location(base, f"n{n}-eagle3" if args.keep or args.reuse else f"n{n}-eagle3-{int(time.time())}")
             texts = work / "texts"
             write_texts(texts.with_suffix(".jsonl"), n)
             for step in args.steps:
-                if step == "write" and args.reuse:
+                if step == "write" and args.reuse or step == "extract-eagle3" and args.reuse:
                     continue
-                target = out
-                if step == "commits" or step.startswith("extract"):
+                target = eagle3_out if step in EAGLE3 else out
+                if step in ("commits", "ranks") or step.startswith("extract") and step != "extract-eagle3":
                     target = location(base, f"n{n}-{step}-{int(time.time())}")
-                r = run_step(step, target, n, args.per_shard, str(texts), str(work / "cache"))
-                if target != out and not args.keep and not target.startswith("s3://"):
+                r = run_step(step, target, n, args.per_shard, str(texts), str(work / "cache"), ray_address)
+                if target not in (out, eagle3_out) and not args.keep and not target.startswith("s3://"):
                     shutil.rmtree(target, ignore_errors=True)
-                for leftover in (work / "cache", texts):  # the datasets cache, the saved folder or the export
+                for leftover in (work / "cache", texts, work / "texts-exported"):  # the datasets cache, a saved folder, an export
                     shutil.rmtree(leftover, ignore_errors=True)
                 per = 1000 if step == "random" else n  # random: per access
                 rows.append({"step": step, "samples": n, "shards": -(-n // args.per_shard), **r,
@@ -225,7 +280,13 @@ def main() -> None:
                 print(f"{step:11s} {n:>10,} samples {rows[-1]['shards']:>8,} shards  {r['seconds']:9.2f} s  "
                       f"{rows[-1]['us_per_sample']:9.1f} us/sample  cpu {rows[-1]['cpu_us_per_sample']:9.1f} us/sample  "
                       f"peak {r['peak_mb']:7.0f} MB  written {r['written_mb']:9.1f} MB", flush=True)
+            if not args.keep and not eagle3_out.startswith("s3://"):
+                shutil.rmtree(eagle3_out, ignore_errors=True)
     finally:
+        if ray_address is not None:
+            import ray
+
+            ray.shutdown()
         shutil.rmtree(work, ignore_errors=True)
         if args.store is None:
             shutil.rmtree(base, ignore_errors=True)

@@ -36,6 +36,26 @@ class PackedStrings(Sequence):
         self._data, self._ends = data, ends
         return self
 
+    @classmethod
+    def from_arrow(cls, array) -> "PackedStrings":
+        """The strings of a pyarrow string or binary array (plain or large, no nulls), read from its
+        buffers: no Python string per value. Binary values are taken as the UTF-8 bytes of the strings."""
+        import pyarrow as pa
+
+        if array.null_count:
+            raise ValueError("PackedStrings.from_arrow: the array holds nulls")
+        wide = pa.types.is_large_string(array.type) or pa.types.is_large_binary(array.type)
+        if not (wide or pa.types.is_string(array.type) or pa.types.is_binary(array.type)):
+            raise TypeError(f"PackedStrings.from_arrow: expected a string or binary array, got {array.type}")
+        n = len(array)
+        if not n:
+            return cls()
+        _, offsets, data = array.buffers()
+        offsets = np.frombuffer(offsets, dtype=np.int64 if wide else np.int32)[array.offset:array.offset + n + 1]
+        start = int(offsets[0])
+        data = data[start:int(offsets[-1])].to_pybytes() if data is not None else b""
+        return cls._of(data, _smallest(offsets[1:].astype(np.int64) - start))
+
     def __reduce__(self):
         return PackedStrings._of, (self._data, self._ends)
 

@@ -151,3 +151,42 @@ def test_the_loaders_read_ahead_stops_with_its_consumer_and_hands_on_a_stores_er
     with pytest.raises(hsx.HsxError, match=victim):
         list(loader)
     assert not readers()
+
+
+@pytest.mark.parametrize("small", [1 << 23, 64])  # the default (one GET a shard), and every shard "large"
+def test_samples_read_from_the_store_equal_local_disk_however_a_shard_is_fetched(runs, s3_env, monkeypatch, small):
+    from hsx.storage import store
+
+    monkeypatch.setattr(store, "SMALL_OBJECT", small)
+    a, b = hsx.open(runs["local"]), hsx.open(runs["remote"])
+    assert len(a) == len(b) == len(ROWS)
+    for i in range(len(a)):
+        x, y = a[i], b[i]
+        assert x.sample_id == y.sample_id and torch.equal(x.input_ids, y.input_ids)
+        assert torch.equal(bits(x.hidden("eagle3")), bits(y.hidden("eagle3")))
+
+
+def test_an_object_opened_for_reading_comes_whole_in_one_get_when_small(s3_server, s3_env, monkeypatch):
+    """Objects of 0 bytes, of exactly ``SMALL_OBJECT`` and of one byte more read back whole; the first two in one
+    GET, the last through the download."""
+    import pyarrow as pa
+
+    from hsx.storage import store
+
+    monkeypatch.setattr(store, "SMALL_OBJECT", 1000)
+    st = store.as_path(f"s3://{s3_server.bucket}/whole").store
+    gets, downloads = [], []
+    real_get, real_download = st.client.get_object, st.client.download_file
+    monkeypatch.setattr(st.client, "get_object", lambda **kw: gets.append(kw["Key"]) or real_get(**kw))
+    monkeypatch.setattr(st.client, "download_file", lambda *a, **kw: downloads.append(a[1]) or real_download(*a, **kw))
+    for size in (0, 1000, 1001):
+        key = f"whole/object-{size}"
+        data = bytes(range(256)) * (size // 256) + bytes(range(size % 256))
+        st.put(key, data)
+        f = st.open_input(key, pa.OSFile)
+        assert f.read() == data, size
+        f.close()
+    assert gets.count("whole/object-0") == gets.count("whole/object-1000") == 1  # one request each
+    assert downloads == ["whole/object-1001"]  # (its own requests go through the client too)
+    with pytest.raises(FileNotFoundError):
+        st.open_input("whole/no-such-object", pa.OSFile)

@@ -113,6 +113,7 @@ def spool_file(path) -> Path:
     return Path(path)
 
 
+SMALL_OBJECT = 8 << 20  # bytes: an object opened for reading that is at most this large comes in one GET
 _STORES: dict[tuple, "ObjectStore"] = {}
 _STORES_LOCK = threading.Lock()
 
@@ -227,16 +228,40 @@ class ObjectStore:
         return r.get("KeyCount", 0) > 0
 
     def open_input(self, key: str, local):
-        """Download the object into a spool file and open it with ``local``; the file is unlinked at once,
-        so it lasts as long as the open file does. One sequential download (ranged GETs in parallel)
-        instead of a request for every read, and the reader then works on a local file as for a disk."""
+        """Fetch the object into a spool file and open it with ``local``; the file is unlinked at once, so it
+        lasts as long as the open file does. An object of at most ``SMALL_OBJECT`` bytes comes in one GET (a
+        range from its start that turns out to hold all of it); a larger one in one download of parallel
+        ranged GETs. Either way the reader then works on a local file as for a disk, not a request per read."""
         fd, tmp = tempfile.mkstemp(prefix="hsx-read-", dir=self.spool())
         os.close(fd)
         try:
-            self._call("read", key, self.client.download_file, self.bucket, key, tmp)
+            first = self._first_bytes(key)
+            if first is not None:
+                Path(tmp).write_bytes(first)
+            else:  # larger: the transfer manager's parallel ranged GETs (its threads cost more than one GET)
+                self._call("read", key, self.client.download_file, self.bucket, key, tmp)
             return local(tmp)
         finally:
             os.unlink(tmp)
+
+    def _first_bytes(self, key: str) -> bytes | None:
+        """The whole object if it holds at most ``SMALL_OBJECT`` bytes (one GET of a range from its start),
+        else None."""
+        import botocore.exceptions as be
+
+        try:
+            r = self.client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=0-{SMALL_OBJECT - 1}")
+        except be.ClientError as e:
+            if e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 416:  # an empty object has no range
+                return b""
+            return None  # the download says what is wrong (a missing object, a refusal), as before
+        except be.BotoCoreError:
+            return None
+        total = r.get("ContentRange", "").rsplit("/", 1)[-1]
+        if total.isdigit() and int(total) > SMALL_OBJECT:
+            r["Body"].close()
+            return None
+        return self._call("read", key, r["Body"].read)
 
     def open_ranged(self, key: str, buffer_size: int = 8 << 20):
         """The object as a seekable pyarrow file read by ranged GETs (:class:`_RangedObject`)."""

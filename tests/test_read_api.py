@@ -95,9 +95,11 @@ def test_a_stored_sample_and_a_stream_record_spell_their_columns_alike(tmp_path)
             assert torch.equal(bits(s.hidden[name]), bits(r.hidden(name)))
 
 
-def test_opening_an_output_looks_at_no_shard_and_a_sample_at_its_own(tmp_path, monkeypatch):
-    """An output of many shards opens from its manifest alone (in a store, a look at a shard is a request)."""
+def test_opening_an_output_and_reading_a_sample_look_at_no_shard_first(tmp_path, monkeypatch):
+    """An output of many shards opens from its manifest alone, and a sample's shard is read without a look at
+    its name first (in a store, a look is a request); a shard a crash left under its staging name is found."""
     from hsx.shards import reader
+    from hsx.shards.manifest import staged_name
 
     meta = make_metadata([4], "float32", "prefill")
     records = finite_records(meta, [3, 2, 4, 5, 2, 3], seed=2)
@@ -107,4 +109,10 @@ def test_opening_an_output_looks_at_no_shard_and_a_sample_at_its_own(tmp_path, m
     ds = hsx.open(tmp_path / "out")
     assert len(ds) == 6 and looked == []
     assert np.array_equal(ds[4].input_ids.numpy(), records[4].input_ids.numpy())
-    assert looked == ["shard-00004.parquet"]
+    assert looked == []  # a shard at its visible name is read without a look first
+    monkeypatch.undo()
+    staged = tmp_path / "out" / staged_name("shard-00002.parquet")
+    (tmp_path / "out" / "shard-00002.parquet").rename(staged)  # as a crash between commit and rename leaves it
+    ds = hsx.open(tmp_path / "out")
+    assert np.array_equal(ds[2].input_ids.numpy(), records[2].input_ids.numpy())
+    assert ds._paths[2] == staged

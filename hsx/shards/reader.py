@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -25,7 +25,7 @@ from hsx.shards import format as fmt
 from hsx.shards import positions
 from hsx.shards.manifest import ErrorRecord, ShardEntry, load_manifest, manifest_path, shard_path
 from hsx.shards.readonly import read_only
-from hsx.shards.shard import Shard, check_rows, fill, load_shard, parquet_row_rows
+from hsx.shards.shard import Shard, ShardMissing, check_rows, fill, load_shard, parquet_row_rows
 from hsx.storage.store import as_path
 
 
@@ -221,6 +221,18 @@ class ShardPaths(Sequence):
             self._found[k] = shard_path(self._dir, self._names[k])
         return self._found[k]
 
+    def load(self, k: int, load: Callable[[Path], Shard]) -> Shard:
+        """``load(path)`` of shard ``k``, tried first under its visible name with no look beforehand (in a store
+        the look is a request of its own), then, if it is not there, wherever :func:`shard_path` finds it."""
+        if k in self._found:
+            return load(self._found[k])
+        try:
+            shard = load(as_path(self._dir) / self._names[k])
+        except ShardMissing:
+            shard = load(self[k])
+        self._found.setdefault(k, shard.path)
+        return shard
+
 
 class ShardDataset:
     """Samples of a directory of shards (or one shard file): in source order where the manifest lists
@@ -256,7 +268,10 @@ class ShardDataset:
     def _shard(self, k: int) -> Shard:
         shard = self._cache.get(k)
         if shard is None:
-            shard = load_shard(self._paths[k], self._entries[k], self._cache_blocks)
+            def load(path: Path) -> Shard:
+                return load_shard(path, self._entries[k], self._cache_blocks)
+
+            shard = self._paths.load(k, load) if isinstance(self._paths, ShardPaths) else load(self._paths[k])
             self._cache[k] = shard
             while len(self._cache) > self._cache_shards:
                 self._cache.popitem(last=False)

@@ -376,6 +376,10 @@ def checksum(source: pa.NativeFile, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+class ShardMissing(ShardError):
+    """A shard file that is not where it was looked for."""
+
+
 def load_shard(path: Path, entry: ShardEntry | None, cache_blocks: int | None = None, *,
                check_hidden: bool = True) -> Shard:
     """Open and check one shard file; any fault raises :class:`ShardError` naming the file.
@@ -388,7 +392,7 @@ def load_shard(path: Path, entry: ShardEntry | None, cache_blocks: int | None = 
     try:
         source = open_input(path, pa.OSFile)  # a local file, or an object in a store (hsx.storage.store)
     except FileNotFoundError:
-        raise ShardError(f"{path}: shard listed in the manifest is missing") from None
+        raise ShardMissing(f"{path}: shard listed in the manifest is missing") from None
     if entry is not None:
         size = source.size()
         if size != entry.bytes:

@@ -80,6 +80,11 @@ def peak_kb():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
 
+def resident_mb():  # at the end: the process's own memory, and shared memory it has touched (Ray's object store)
+    with open("/proc/self/status") as f:
+        got = {k: int(v.split()[0]) / 1024 for k, v in (line.split(":", 1) for line in f) if k in ("RssAnon", "RssShmem")}
+    return {"anon_mb": got.get("RssAnon", 0.0), "shmem_mb": got.get("RssShmem", 0.0)}
+
 meta = build_metadata(codec="planes-zstd", layers=[{"name": "final", "sources": [4], "width": 8, "raw_ids": None,
                       "rule": "bench"}], dtype="bfloat16", mode="prefill",
                       model={"path": "bench", "num_layers": 4, "hidden_size": 8},
@@ -175,7 +180,7 @@ elif step == "export-specforge":
     from hsx.export import export_specforge
     assert export_specforge(out, aside + "-exported", progress=False).samples == n
 result = json.dumps({"seconds": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, "peak_mb": peak_kb() / 1024,
-                  "written_mb": (written() - w0) / 2**20})
+                  "written_mb": (written() - w0) / 2**20, **resident_mb()})
 if step == "ranks":  # torchrun's ranks share a stdout: each writes a file of its own
     with open(f"{aside}.rank{os.environ['RANK']}.json", "w") as f:
         f.write(result)
@@ -204,7 +209,8 @@ def run_step(step: str, out: str, n: int, per_shard: int, aside: str, cache: str
         return json.loads(proc.stdout.strip().splitlines()[-1])
     ranks = [json.loads(Path(f"{aside}.rank{r}.json").read_text()) for r in range(RANKS)]
     return {"seconds": max(r["seconds"] for r in ranks), "cpu_s": sum(r["cpu_s"] for r in ranks),
-            "peak_mb": max(r["peak_mb"] for r in ranks), "written_mb": sum(r["written_mb"] for r in ranks)}
+            "peak_mb": max(r["peak_mb"] for r in ranks), "written_mb": sum(r["written_mb"] for r in ranks),
+            "anon_mb": max(r["anon_mb"] for r in ranks), "shmem_mb": max(r["shmem_mb"] for r in ranks)}
 
 
 def location(base: str, name: str) -> str:

@@ -101,16 +101,21 @@ def holds(path: Path, write: Callable) -> bool:
 class Barrier:
     """Make every file written so far under ``directory`` durable, at once: ``sync()``.
 
-    Linux ``syncfs(2)`` on a descriptor of ``directory``, opened here, before the files are written:
-    it flushes the data and the directory entries of the destination's file system only (``os.sync()``,
-    the fallback where libc has no ``syncfs``, waits for every file system's dirty data), and since
-    Linux 5.8 it reports a writeback error that happened on that file system after the descriptor was
-    opened. Python's ``os`` has no ``syncfs``; it is called through ctypes. Measured on ext4 (2,000
-    and 20,000 files of 4 and 16 KB, temp name and rename): an fsync of each file and of its
-    directory took 3-17x the writes alone; one syncfs at the end, like ``os.sync()``, added 1-13%;
-    an fsync of every file at the end of each group of 500, then of the directory, 1.9-3.4x.
-    Files renamed into place but not yet made durable are whole to every reader; only a power loss
-    (or an OS crash) can take them back, which is why a resumed export checks every file it keeps.
+    Linux ``syncfs(2)`` on a descriptor of ``directory``, opened here, before the files are written: it
+    flushes the data and the directory entries of the destination's file system only (``os.sync()``,
+    the fallback where libc has no ``syncfs``, waits for every file system's dirty data, a network mount's
+    included), and since Linux 5.8 it reports a writeback error that happened on that file system after
+    the descriptor was opened. Python's ``os`` has no ``syncfs``; it is called through ctypes. Measured
+    on ext4 (2,000 and 20,000 files of 4 and 16 KB, each under a temp name and renamed): an fsync of each
+    file and of its directory took 3-17x the time of the writes alone; one ``syncfs`` at the end added
+    3-13% (``os.sync()`` 1-5%); an fsync of every file at the end of each group of 500, then of the
+    directory, 1.9-3.4x (and would have to name the files a resumed run kept, which a killed run may
+    have left in the page cache only).
+
+    The exports call it once, after their loop and before anything that claims the files is written.
+    Barriers along the way would spare a resumed export nothing: until the record says ``complete``
+    it checks every file it keeps anyway, since files renamed into place but not yet durable are whole
+    to every reader and only a power loss (or an OS crash) can take them back, empty, short or zeroed.
     """
 
     def __init__(self, directory: Path):

@@ -14,9 +14,11 @@ bfloat16, exactly as SpecForge's ``prepare_hidden_states.py`` writes them and it
 :class:`hsx.eagle3.Eagle3Dataset` (alignment and the generate-mode rule are documented there).
 Sample i is the i-th sample of the shards in manifest order.
 
-Files are written under a hidden temp name and renamed, so a file with a final name is whole.
-A re-run skips files that load (``weights_only``) with the right keys, shapes, dtypes, tokens and
-loss mask, and rewrites anything else; leftover temp files are removed. Paths are built from
+Files are written under a hidden temp name and renamed, so a file with a final name is whole to
+every reader; they are not fsynced one by one: one :class:`~hsx.export.files.Barrier` makes them
+durable before the index, the vocabulary mapping and the record's ``complete`` are written. A re-run
+keeps files that hold exactly the bytes it would write and rewrites anything else (what a crash or
+a power loss left: missing, empty, short, zeroed); leftover temp files are removed. Paths are built from
 indices only, so sample ids never reach the file system. A destination exported from different
 shards (other metadata) is refused rather than mixed.
 """
@@ -33,8 +35,8 @@ import torch
 from hsx.eagle3.dataset import Eagle3Dataset, check_eagle3_layout, load_draft_config
 from hsx.eagle3.vocab import count_loss_tokens, vocab_mapping
 from hsx.errors import HsxError
-from hsx.export.files import (DRAFT_AT_IMAGES, INFO, all_finite, atomic_write, claim, clean_temps, fingerprint, inside, own,
-                              source_name, vision_note, write_json)
+from hsx.export.files import (DRAFT_AT_IMAGES, INFO, Barrier, LineFile, all_finite, atomic_write, claim, clean_temps,
+                              fingerprint, holds, inside, own, source_name, vision_note, write_json)
 from hsx.shards.reader import open_shards
 
 GROUP = 2000  # files per rows_* directory, SpecForge's default --file-group-size
@@ -62,19 +64,10 @@ def relative_path(index: int) -> Path:
     return Path(f"rows_{g}-{g + GROUP}") / f"data_{index}.ckpt"
 
 
-def _is_complete(path: Path, want: dict) -> bool:
-    """Whether ``path`` already holds ``want``'s sample: loads safely, same keys, shapes, dtypes, ids, mask."""
-    try:
-        got = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:  # truncated, corrupt, not a torch file: rewritten
-        return False
-    if not isinstance(got, dict) or set(got) != set(KEYS):
-        return False
-    for k in KEYS:
-        g, w = got[k], want[k]
-        if not isinstance(g, torch.Tensor) or g.dtype != w.dtype or g.shape != w.shape:
-            return False
-    return torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["loss_mask"], want["loss_mask"])
+def _is_complete(path: Path, record: dict) -> bool:
+    """Whether ``path`` holds the very bytes ``torch.save(record)`` writes (a power loss can leave a renamed
+    file empty, short or zero-filled; any of them, or another sample's file, is rewritten)."""
+    return holds(path, lambda f: torch.save(record, f))
 
 
 def _target_vocab_size(metadata: dict, draft: dict | None, given: int | None) -> tuple[int, str]:
@@ -139,40 +132,55 @@ def export_specforge(src: str | Path, dst: str | Path, *, draft_vocab_size: int 
         clean_temps(d)
 
     counts = torch.zeros(vocab_size, dtype=torch.int64)
-    index_lines, written, skipped, replaced, tokens, nbytes = [], 0, 0, 0, 0, 0
-    for i in tqdm(range(len(ds)), desc="export specforge", unit="sample", disable=not progress):
-        shard_sample = ds.shards[i]
-        sample = ds[i]
-        # vocabulary counts over every stored token, the generate-mode last one included
-        counts += count_loss_tokens([(shard_sample.input_ids, shard_sample.loss_mask)], vocab_size)
-        for key in ("aux_hidden_state", "hidden_state"):
-            if not all_finite(sample[key]):
-                raise HsxError(f"sample {sample['sample_id']!r}: non-finite values in {key}; not exported")
-        # memory of their own: torch.save writes whole storages, and a sample stored whole is a view into its
-        # row group's block (a copy); a long sample's states are decoded into tensors of their own (no copy)
-        record = {
-            "input_ids": sample["input_ids"].clone(),
-            "loss_mask": sample["loss_mask"].clone(),
-            "hidden_state": own(sample["hidden_state"]).unsqueeze(0),  # [1, T, H]
-            "aux_hidden_state": own(sample["aux_hidden_state"]).unsqueeze(0),  # [1, T, 3H]
-        }
-        sample_id = sample["sample_id"]
-        del sample
-        rel = relative_path(i)
-        path = dst / rel
-        inside(dst, path.parent).mkdir(exist_ok=True)
-        inside(dst, path)
-        if path.exists() and _is_complete(path, record):
-            skipped += 1
-        else:
-            replaced += path.exists()
-            nbytes += atomic_write(path, lambda f: torch.save(record, f))
-            written += 1
-        t = len(record["input_ids"])
-        tokens += t
-        index_lines.append(json.dumps({"index": i, "file": rel.as_posix(), "sample_id": sample_id,
-                                       "source_index": shard_sample.source_index, "tokens": t,
-                                       "shard_tokens": len(shard_sample.input_ids)}))
+    written, skipped, replaced, tokens, nbytes = 0, 0, 0, 0, 0
+    index, barrier, made = LineFile(inside(dst, dst / INDEX)), Barrier(dst), None
+    try:
+        for i in tqdm(range(len(ds)), desc="export specforge", unit="sample", disable=not progress):
+            shard_sample = ds.shards[i]
+            sample = ds[i]
+            # vocabulary counts over every stored token, the generate-mode last one included
+            counts += count_loss_tokens([(shard_sample.input_ids, shard_sample.loss_mask)], vocab_size)
+            for key in ("aux_hidden_state", "hidden_state"):
+                if not all_finite(sample[key]):
+                    raise HsxError(f"sample {sample['sample_id']!r}: non-finite values in {key}; not exported")
+            # memory of their own: torch.save writes whole storages, and a sample stored whole is a view into its
+            # row group's block (a copy); a long sample's states are decoded into tensors of their own (no copy)
+            record = {
+                "input_ids": sample["input_ids"].clone(),
+                "loss_mask": sample["loss_mask"].clone(),
+                "hidden_state": own(sample["hidden_state"]).unsqueeze(0),  # [1, T, H]
+                "aux_hidden_state": own(sample["aux_hidden_state"]).unsqueeze(0),  # [1, T, 3H]
+            }
+            sample_id = sample["sample_id"]
+            del sample
+            rel = relative_path(i)
+            path = dst / rel
+            if path.parent != made:  # a group directory, made once
+                inside(dst, path.parent).mkdir(exist_ok=True)
+                made = path.parent
+            inside(dst, path)
+            exists = path.exists()
+            if exists and _is_complete(path, record):
+                skipped += 1
+            else:
+                replaced += exists
+                # no fsync: the barrier below makes every file durable at once
+                nbytes += atomic_write(path, lambda f: torch.save(record, f), durable=False)
+                written += 1
+            t = len(record["input_ids"])
+            tokens += t
+            index.add({"index": i, "file": rel.as_posix(), "sample_id": sample_id,
+                       "source_index": shard_sample.source_index, "tokens": t,
+                       "shard_tokens": len(shard_sample.input_ids)})
+        index.close()
+        # the files (kept ones too: a killed run's may not be on disk yet), their group directories and the
+        # index lines, made durable together before the index and the record claim them
+        barrier.sync()
+    except BaseException:
+        index.abort()
+        raise
+    finally:
+        barrier.close()
 
     d2t, t2d = vocab_mapping(counts, draft_vocab_size)
     inside(dst, dst / VOCAB.parent).mkdir(exist_ok=True)
@@ -185,7 +193,7 @@ def export_specforge(src: str | Path, dst: str | Path, *, draft_vocab_size: int 
             old = None
     if not (isinstance(old, dict) and set(old) == {"d2t", "t2d"} and torch.equal(old["d2t"], d2t) and torch.equal(old["t2d"], t2d)):
         atomic_write(vocab_path, lambda f: torch.save({"d2t": d2t, "t2d": t2d}, f))
-    atomic_write(inside(dst, dst / INDEX), lambda f: f.write("".join(line + "\n" for line in index_lines).encode()))
+    index.commit(durable=False)  # its lines are on disk (the barrier); the rename is, once its directory is fsynced
     total = int(counts.sum())
     coverage = float(counts[t2d].sum()) / total if total else 0.0
     info.update(complete=True, samples=len(ds), tokens=tokens, vocab_coverage=coverage)

@@ -19,9 +19,11 @@ boundary L (the last block's output before the norm), not hsx's ``final``. vLLM 
 Rows are as stored (row t = state after token t); speculators' ``shift_batch`` does the one shift.
 Generate-mode samples export T = N-1 tokens (the last completion token has no state), prefill
 ones T = N. Samples with fewer than 2 tokens left (nothing to learn after the shift) are skipped
-and counted. ``hs_{i}`` files are written under temp names and renamed; a re-run skips files
-that open with the right keys, shapes, dtype and tokens, and rewrites the rest; the dataset, the
-frequencies and the index are rewritten every run (token ids only).
+and counted. ``hs_{i}`` files are written under temp names and renamed, without an fsync each: one
+:class:`~hsx.export.files.Barrier` makes them durable before the dataset, the frequencies, the index
+and the record's ``complete`` are written. A re-run keeps files that hold exactly the bytes it would
+write and rewrites the rest (what a crash or a power loss left: missing, empty, short, zeroed); the
+dataset, the frequencies and the index are rewritten every run (token ids only).
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ import pyarrow as pa
 import torch
 
 from hsx.errors import AlignmentError, HsxError
-from hsx.export.files import (DRAFT_AT_IMAGES, INFO, all_finite, atomic_write, claim, clean_temps, fingerprint, inside,
-                              source_name, vision_note, write_json)
+from hsx.export.files import (DRAFT_AT_IMAGES, INFO, Barrier, LineFile, all_finite, atomic_write, claim, clean_temps,
+                              fingerprint, holds, inside, source_name, vision_note, write_json)
 from hsx.export.hfdisk import DiskDatasetWriter
 from hsx.export.layers import BoundarySlice, find_boundary, num_layers_of, require_every_position
 from hsx.shards import ShardDataset, open_shards
@@ -101,19 +103,10 @@ def _block(schema: pa.Schema, ids: list[torch.Tensor], masks: list[torch.Tensor]
                                  pa.ListArray.from_arrays(offsets, flat(masks)), pa.array(lengths)], schema=schema)
 
 
-def _is_complete(path: Path, token_ids: torch.Tensor, shape: tuple, dtype: torch.dtype) -> bool:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            if set(f.keys()) != {"token_ids", "hidden_states"}:
-                return False
-            hs = f.get_slice("hidden_states")
-            if tuple(hs.get_shape()) != shape or hs.get_dtype() != SAFETENSORS_DTYPES.get(dtype):
-                return False
-            return torch.equal(f.get_tensor("token_ids"), token_ids)
-    except Exception:  # truncated or not a safetensors file: rewritten
-        return False
+def _is_complete(path: Path, tensors: dict[str, torch.Tensor]) -> bool:
+    """Whether ``path`` holds the very bytes this export writes for ``tensors`` (a power loss can leave a
+    renamed file empty, short or zero-filled; any of them is rewritten)."""
+    return holds(path, lambda f: write_safetensors(f, tensors))
 
 
 def _states(s, slices: list[BoundarySlice], t: int) -> torch.Tensor:
@@ -170,10 +163,12 @@ def _info(meta: dict, source: str, aux: list[int], width: int) -> dict:
 
 
 def _write_states(path: Path, token_ids: torch.Tensor, states: torch.Tensor) -> int:
-    """Bytes written to ``hs_{i}.safetensors``; 0 when a whole file with these tokens is already there."""
-    if path.exists() and _is_complete(path, token_ids, tuple(states.shape), states.dtype):
+    """Bytes written to ``hs_{i}.safetensors``; 0 when the file is already there, whole. Not fsynced: the
+    export's :class:`~hsx.export.files.Barrier` makes every file durable at once."""
+    tensors = {"token_ids": token_ids, "hidden_states": states}
+    if path.exists() and _is_complete(path, tensors):
         return 0
-    return atomic_write(path, lambda f: write_safetensors(f, {"token_ids": token_ids, "hidden_states": states}))
+    return atomic_write(path, lambda f: write_safetensors(f, tensors), durable=False)
 
 
 def write_safetensors(f, tensors: dict[str, torch.Tensor]) -> None:
@@ -249,8 +244,8 @@ def export_speculators(src: str | Path | ShardDataset, dst: str | Path, *, targe
     clean_temps(dst / HIDDEN_DIR)
 
     writer = DiskDatasetWriter(dst, _features(), fingerprint=info["source_fingerprint"][:16], format_type="torch")
-    rows, index_lines = _TokenRows(writer), []
-    written = skipped = tokens = nbytes = 0
+    rows, index, barrier = _TokenRows(writer), LineFile(inside(dst, dst / INDEX)), Barrier(dst)
+    n = written = skipped = tokens = nbytes = 0
     cut = meta["mode"] == "generate"
     try:
         for i in tqdm(range(len(ds)), desc="export speculators", unit="sample", disable=not progress):
@@ -264,21 +259,27 @@ def export_speculators(src: str | Path | ShardDataset, dst: str | Path, *, targe
             states = _states(s, slices, t)
             if not all_finite(states):
                 raise HsxError(f"sample {s.sample_id!r}: non-finite hidden states; not exported")
-            j = len(index_lines)
-            size = _write_states(inside(dst, hs_path(dst, j)), token_ids, states)
+            size = _write_states(inside(dst, hs_path(dst, n)), token_ids, states)
             written, nbytes = written + bool(size), nbytes + size
             rows.add(token_ids, loss_mask)
             tokens += t
-            index_lines.append(json.dumps({"index": j, "sample_id": s.sample_id, "source_index": s.source_index,
-                                           "tokens": t, "shard_tokens": len(ids)}))
+            index.add({"index": n, "sample_id": s.sample_id, "source_index": s.source_index, "tokens": t,
+                       "shard_tokens": len(ids)})
+            n += 1
         rows.flush()
+        index.close()
+        # the hs files (kept ones too: a killed run's may not be on disk yet) and the index lines are made
+        # durable together, before the dataset that pairs its rows with them and anything that claims them
+        barrier.sync()
         writer.finalize()
     except BaseException:
         writer.abort()
+        index.abort()
         raise
+    finally:
+        barrier.close()
     counts = rows.counts()
     atomic_write(inside(dst, dst / TOKEN_FREQ), lambda f: torch.save(counts, f))
-    atomic_write(inside(dst, dst / INDEX), lambda f: f.write("".join(x + "\n" for x in index_lines).encode()))
-    n = len(index_lines)
+    index.commit(durable=False)  # its lines are on disk (the barrier); the rename is, once its directory is fsynced
     write_json(dst / INFO, {**info, "complete": True, "samples": n, "skipped_short": skipped, "tokens": tokens})
     return SpeculatorsSummary(str(dst), n, skipped, written, n - written, tokens, nbytes, aux, info["num_layers"])

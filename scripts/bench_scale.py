@@ -15,6 +15,7 @@ fresh process (its peak resident memory is VmHWM, imports included):
   inspect     ``hsx inspect``'s summary (small columns of every shard)
   verify      ``hsx verify`` (every shard read and checked)
   loader      ``hsx.tokens_loader`` over every row of column ``final``, shuffled (its default buffer)
+  loader-start  the same loader's first batch: the time before training can start (its seconds are the step's)
   export      ``hsx export saelens`` of column ``final`` (contexts of 128 rows)
   input       the input side: a JSONL file of as many short rows (written beforehand, not timed) read
               through ``hsx.data.load_rows`` (HF datasets: converted once to a memory-mapped Arrow cache,
@@ -57,7 +58,8 @@ import tempfile
 import time
 from pathlib import Path
 
-STEPS = ("write", "commits", "rerun", "open", "random", "inspect", "verify", "loader", "export", "input", "input-disk",
+STEPS = ("write", "commits", "rerun", "open", "random", "inspect", "verify", "loader", "loader-start", "export", "input",
+         "input-disk",
          "extract", "extract-gen", "extract-ray", "ranks", "extract-eagle3", "export-speculators", "export-specforge")
 EAGLE3 = ("extract-eagle3", "export-speculators", "export-specforge")  # one eagle3 output, made by the first
 RANKS = 2  # trainer processes of the ``ranks`` step
@@ -155,6 +157,8 @@ elif step == "verify":
 elif step == "loader":
     rows = sum(len(batch["final"]) for batch in hsx.tokens_loader(out, ["final"], batch_size=4096))
     assert rows == sum(2 + i % 3 for i in range(n)), rows
+elif step == "loader-start":
+    assert len(next(iter(hsx.tokens_loader(out, ["final"], batch_size=4096)))["final"]) == min(4096, n * 2)
 elif step == "export":
     from hsx.export import export_saelens
     export_saelens(out, aside, column="final", context_size=128, progress=False)
@@ -246,10 +250,14 @@ def main() -> None:
     ap.add_argument("--store", default=None, help="s3://BUCKET/PREFIX, or a local folder (default: a temp folder)")
     ap.add_argument("--keep", action="store_true", help="leave the outputs in --store (named n<SAMPLES>)")
     ap.add_argument("--reuse", action="store_true", help="measure on the outputs --keep left in --store")
+    ap.add_argument("--outputs", nargs="+", default=None,
+                    help="with --reuse: the outputs' names in --store, one per --samples (default n<SAMPLES>)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if (args.keep or args.reuse) and args.store is None:
         raise SystemExit("--keep and --reuse need --store")
+    if args.outputs and (not args.reuse or len(args.outputs) != len(args.samples)):
+        raise SystemExit("--outputs goes with --reuse, one name per --samples")
     base = args.store or tempfile.mkdtemp(prefix="hsx-bench-scale-")
     work = Path(tempfile.mkdtemp(prefix="hsx-bench-scale-work-"))  # inputs, the model, exports: local disk
     rows = []
@@ -265,7 +273,8 @@ def main() -> None:
             ray.init(address="local", num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False)
             ray_address = ray.get_runtime_context().gcs_address
         for n in args.samples:
-            out = location(base, f"n{n}" if args.keep or args.reuse else f"n{n}-{int(time.time())}")
+            name = args.outputs[args.samples.index(n)] if args.outputs else f"n{n}"
+            out = location(base, name if args.keep or args.reuse else f"n{n}-{int(time.time())}")
             eagle3_out = location(base, f"n{n}-eagle3" if args.keep or args.reuse else f"n{n}-eagle3-{int(time.time())}")
             texts = work / "texts"
             write_texts(texts.with_suffix(".jsonl"), n)

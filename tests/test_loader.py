@@ -151,6 +151,23 @@ def test_a_corrupt_shard_stops_the_loader_naming_the_file(shards, tmp_path):
         collect(hsx.tokens_loader(d, batch_size=64, seed=0))
 
 
+def test_a_shard_left_under_its_staging_name_is_loaded_and_a_missing_one_named(shards, tmp_path):
+    import shutil
+
+    from hsx.shards.manifest import staged_name
+
+    want = collect(hsx.tokens_loader(shards, batch_size=64, seed=0))
+    d = tmp_path / "copy"
+    shutil.copytree(shards, d)
+    (d / "shard-00001.parquet").rename(d / staged_name("shard-00001.parquet"))  # a crash before the rename
+    got = collect(hsx.tokens_loader(d, batch_size=64, seed=0))
+    assert got.keys() == want.keys() and all(torch.equal(got[k].view(torch.int16) if got[k].is_floating_point() else got[k],
+                                                 want[k].view(torch.int16) if want[k].is_floating_point() else want[k]) for k in want)
+    (d / staged_name("shard-00001.parquet")).unlink()
+    with pytest.raises(hsx.ShardError, match="shard-00001.parquet: shard listed in the manifest is missing"):
+        hsx.tokens_loader(d, batch_size=64, seed=0)
+
+
 PEAK = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, {tests!r})

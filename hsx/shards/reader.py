@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -27,6 +27,8 @@ from hsx.shards.manifest import ErrorRecord, ShardEntry, load_manifest, manifest
 from hsx.shards.readonly import read_only
 from hsx.shards.shard import Shard, ShardMissing, check_rows, fill, load_shard, parquet_row_rows
 from hsx.storage.store import as_path
+
+T = TypeVar("T")
 
 
 class Sample:
@@ -210,6 +212,10 @@ class ShardPaths(Sequence):
     def __init__(self, directory: Path, names: list[str]):
         self._dir, self._names, self._found = directory, names, {}
 
+    @property
+    def directory(self) -> Path:
+        return self._dir
+
     def __len__(self) -> int:
         return len(self._names)
 
@@ -221,17 +227,20 @@ class ShardPaths(Sequence):
             self._found[k] = shard_path(self._dir, self._names[k])
         return self._found[k]
 
-    def load(self, k: int, load: Callable[[Path], Shard]) -> Shard:
+    def load(self, k: int, load: Callable[[Path], T]) -> T:
         """``load(path)`` of shard ``k``, tried first under its visible name with no look beforehand (in a store
-        the look is a request of its own), then, if it is not there, wherever :func:`shard_path` finds it."""
+        the look is a request of its own), then, if it is not there (``load`` raises :class:`ShardMissing`),
+        wherever :func:`shard_path` finds it."""
         if k in self._found:
             return load(self._found[k])
+        path = as_path(self._dir) / self._names[k]
         try:
-            shard = load(as_path(self._dir) / self._names[k])
+            got = load(path)
         except ShardMissing:
-            shard = load(self[k])
-        self._found.setdefault(k, shard.path)
-        return shard
+            path = self[k]
+            got = load(path)
+        self._found.setdefault(k, path)
+        return got
 
 
 class ShardDataset:

@@ -39,6 +39,9 @@ fresh process (its peak resident memory is VmHWM, imports included):
     python scripts/bench_scale.py --samples 1000000 --steps commits    # the manifest alone at 1M
     PYTHONPATH=/path/to/older/hsx python scripts/bench_scale.py ...    # the same steps on another hsx
 
+A JSON input over 10 MB is converted to Arrow by a child process of the step (``hsx.data.convert``): its
+CPU counts in the step's CPU, and its own peak RSS is reported beside the step's as ``child``.
+
 Prints one table (seconds, microseconds per sample, the process's CPU seconds, peak RSS, and the bytes the
 step handed to ``write(2)``, from ``/proc/self/io``: unlike wall seconds, CPU seconds do not count waits
 for the disk's fsyncs, and bytes do not depend on the disk's load at all) and writes it as JSON with
@@ -65,7 +68,7 @@ EAGLE3 = ("extract-eagle3", "export-speculators", "export-specforge")  # one eag
 RANKS = 2  # trainer processes of the ``ranks`` step
 
 CHILD = r"""
-import json, random, sys, time
+import json, logging, random, sys, time
 import torch
 torch.set_num_threads(1)
 import hsx
@@ -73,6 +76,17 @@ from hsx.shards import Manifest, Record, ShardEntry, ShardSink, build_metadata, 
 from hsx.shards.manifest import save_manifest
 from hsx.shards.verify import inspect, verify
 step, out, n, per_shard, aside = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+conversions = []  # a large input converted to Arrow by a child process: its cost is the step's
+
+
+class Converted(logging.Handler):
+    def emit(self, record):
+        if hasattr(record, "conversion"):
+            conversions.append(record.conversion)
+
+
+logging.getLogger("hsx.data.convert").addHandler(Converted())
+logging.getLogger("hsx.data.convert").setLevel(logging.INFO)
 
 def written():  # bytes this process handed to write(2): shards, manifest, everything
     with open("/proc/self/io") as f:
@@ -183,8 +197,10 @@ elif step == "export-speculators":
 elif step == "export-specforge":
     from hsx.export import export_specforge
     assert export_specforge(out, aside + "-exported", progress=False).samples == n
-result = json.dumps({"seconds": time.perf_counter() - t0, "cpu_s": time.process_time() - c0, "peak_mb": peak_kb() / 1024,
-                  "written_mb": (written() - w0) / 2**20, **resident_mb()})
+result = json.dumps({"seconds": time.perf_counter() - t0,
+                     "cpu_s": time.process_time() - c0 + sum(c.cpu_s for c in conversions),
+                     "peak_mb": peak_kb() / 1024, "child_peak_mb": max((c.peak_mb for c in conversions), default=0.0),
+                     "written_mb": (written() - w0) / 2**20, **resident_mb()})
 if step == "ranks":  # torchrun's ranks share a stdout: each writes a file of its own
     with open(f"{aside}.rank{os.environ['RANK']}.json", "w") as f:
         f.write(result)
@@ -213,7 +229,8 @@ def run_step(step: str, out: str, n: int, per_shard: int, aside: str, cache: str
         return json.loads(proc.stdout.strip().splitlines()[-1])
     ranks = [json.loads(Path(f"{aside}.rank{r}.json").read_text()) for r in range(RANKS)]
     return {"seconds": max(r["seconds"] for r in ranks), "cpu_s": sum(r["cpu_s"] for r in ranks),
-            "peak_mb": max(r["peak_mb"] for r in ranks), "written_mb": sum(r["written_mb"] for r in ranks),
+            "peak_mb": max(r["peak_mb"] for r in ranks), "child_peak_mb": max(r["child_peak_mb"] for r in ranks),
+            "written_mb": sum(r["written_mb"] for r in ranks),
             "anon_mb": max(r["anon_mb"] for r in ranks), "shmem_mb": max(r["shmem_mb"] for r in ranks)}
 
 
@@ -294,7 +311,8 @@ def main() -> None:
                              "us_per_sample": 1e6 * r["seconds"] / per, "cpu_us_per_sample": 1e6 * r["cpu_s"] / per})
                 print(f"{step:11s} {n:>10,} samples {rows[-1]['shards']:>8,} shards  {r['seconds']:9.2f} s  "
                       f"{rows[-1]['us_per_sample']:9.1f} us/sample  cpu {rows[-1]['cpu_us_per_sample']:9.1f} us/sample  "
-                      f"peak {r['peak_mb']:7.0f} MB  written {r['written_mb']:9.1f} MB", flush=True)
+                      f"peak {r['peak_mb']:7.0f} MB (child {r['child_peak_mb']:4.0f})  written {r['written_mb']:9.1f} MB",
+                      flush=True)
             if not args.keep and not eagle3_out.startswith("s3://"):
                 shutil.rmtree(eagle3_out, ignore_errors=True)
     finally:

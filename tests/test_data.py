@@ -530,6 +530,82 @@ def test_a_large_input_is_read_from_memory_mapped_arrow_not_held_in_memory(tmp_p
     assert seen == n
 
 
+def _parsed_here(*args, **kwargs):
+    raise AssertionError("the file was parsed in the test's own process")
+
+
+def test_a_json_file_over_the_bound_is_converted_by_a_child_and_only_mapped_here(tmp_path, monkeypatch):
+    import importlib
+    import tracemalloc
+
+    from hsx.data.convert import CONVERT_APART_BYTES
+
+    texts = [f"row {i}: " + "word " * (i % 7) for i in range(400_000)]
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    assert source.stat().st_size > CONVERT_APART_BYTES  # the real bound, not a lowered one
+    # were the builder to run in this process, the load fails
+    monkeypatch.setattr(importlib.import_module("datasets.packaged_modules.json.json").Json, "_generate_tables",
+                        _parsed_here)
+    tracemalloc.start()
+    try:
+        ds = load_rows(str(source))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert ds["text"] == texts
+    # parsed here, the builder's look at the first 10 MB takes ~130 MB of Python objects
+    assert peak < 24 << 20, f"{peak:,} bytes of Python memory at the peak of the load"
+
+
+@pytest.mark.parametrize("name,text", [
+    ("rows.csv", "id,text\n1,one\n2,\"two, with a comma\"\n3,three\n"),
+    # a list of structs whose keys differ: the builder stores it as JSON text (its mixed-types rule)
+    ("rows.jsonl", "".join(json.dumps(r) + "\n" for r in [
+        {"text": "a", "turns": [{"role": "user", "content": "hi"}, {"role": "tool", "name": "calc", "output": 3}]},
+        {"text": "b", "turns": [{"role": "user", "content": "yo"}]}])),
+])
+def test_a_file_converted_by_the_child_reads_as_one_read_here(tmp_path, monkeypatch, name, text):
+    (tmp_path / "here").mkdir()
+    (tmp_path / "child").mkdir()
+    (tmp_path / "here" / name).write_text(text)
+    (tmp_path / "child" / name).write_text(text)
+    here = load_rows(str(tmp_path / "here" / name))
+    monkeypatch.setattr("hsx.data.load.CONVERT_APART_BYTES", 0)
+    child = load_rows(str(tmp_path / "child" / name))
+    assert child.features == here.features
+    assert child.data.table.equals(here.data.table)
+    assert child.to_list() == here.to_list()
+
+
+def test_a_converted_file_is_converted_again_only_when_it_changes(tmp_path, monkeypatch, caplog):
+    import logging
+    import os
+
+    monkeypatch.setattr("hsx.data.load.CONVERT_APART_BYTES", 0)
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(json.dumps({"text": f"first {i}"}) + "\n" for i in range(5)))
+
+    def conversions():
+        return [r.conversion for r in caplog.records if hasattr(r, "conversion")]
+
+    with caplog.at_level(logging.INFO, logger="hsx.data.convert"):
+        load_rows(str(source))
+        assert load_rows(str(source))["text"] == [f"first {i}" for i in range(5)]
+        assert [c.ok for c in conversions()] == [True]  # the second load found the cache
+        source.write_text("".join(json.dumps({"text": f"second {i}"}) + "\n" for i in range(6)))
+        os.utime(source, (source.stat().st_atime, source.stat().st_mtime + 10))
+        assert load_rows(str(source))["text"] == [f"second {i}" for i in range(6)]
+        assert [c.ok for c in conversions()] == [True, True]
+
+
+def test_a_bad_file_the_child_cannot_convert_is_read_here_and_named(tmp_path, monkeypatch):
+    monkeypatch.setattr("hsx.data.load.CONVERT_APART_BYTES", 0)
+    (tmp_path / "broken.jsonl").write_text('{"text": "ok"}\n{"text": "fine"}\n{"text": \n')
+    with pytest.raises(HsxError, match=r"broken.jsonl:3, column 10: not valid JSON \(Expecting value\)"):
+        load_rows(str(tmp_path / "broken.jsonl"))
+
+
 def test_an_hsx_output_as_input_names_the_first_source_row_it_lacks(tmp_path):
     from shard_fixtures import finite_records, make_metadata, write_sink
 

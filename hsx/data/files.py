@@ -19,7 +19,7 @@ def _position(path: Path, data: bytes, offset: int) -> str:
     return f"{path}:{line}, column {column}"
 
 
-def check_utf8(path: Path, chunk: int = 16 << 20) -> None:
+def check_utf8(path: Path, chunk: int = 1 << 20) -> None:
     """Refuse a text file that is not UTF-8, naming the line (the json and csv readers assume UTF-8
     and would fail later, mid-run, on the first row holding such bytes)."""
     decoder = codecs.getincrementaldecoder("utf-8")()

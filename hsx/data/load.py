@@ -14,6 +14,12 @@
 
 A source (or split) with no rows is an error naming it: an empty file, a csv with only its header.
 
+A JSON or CSV file larger than :data:`CONVERT_APART_BYTES` is converted to Arrow (the datasets cache)
+by a child process first; this process then maps the converted table. The JSON builder parses the
+file's first 10 MB into Python objects (it looks for columns of mixed types): in a child, that memory
+goes back to the system when the child exits instead of staying with the run. Should the child fail,
+the file is read here, where a bad file gets its error naming the line.
+
 Every failure of the underlying library surfaces as :class:`~hsx.errors.HsxError` naming the source.
 """
 
@@ -28,6 +34,7 @@ import datasets
 import pyarrow as pa
 import xxhash
 
+from hsx.data.convert import CONVERT_APART_BYTES, convert_apart
 from hsx.data.files import FILE_BUILDERS, check_has_rows, check_json, check_utf8
 from hsx.data.stored import describe_stored, is_hsx_output, load_stored_rows
 from hsx.errors import HsxError
@@ -64,6 +71,8 @@ def _open(source: str, data_files) -> datasets.DatasetDict | datasets.Dataset:
                 raise HsxError(f"cannot read {source!r}: unknown file type; expected one of {sorted(FILE_BUILDERS)}")
             if builder in ("json", "csv"):
                 check_utf8(path)
+            if builder in ("json", "csv") and path.stat().st_size > CONVERT_APART_BYTES:
+                convert_apart(path, builder)
             try:
                 with _quiet_json_log():  # its message counts rows from 0; check_json names the line
                     return datasets.load_dataset(builder, data_files={"train": str(path)})

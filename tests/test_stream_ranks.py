@@ -552,6 +552,34 @@ RAY_FOUND_NOTHING = ConnectionError("Could not find any running Ray instance. Pl
                                     "by setting `--address` flag or `RAY_ADDRESS` environment variable.")  # Ray 2.60's
 
 
+def test_rank_0_closes_the_pool_only_once_the_others_closed_their_feeds():
+    """Rank 1's ``finish`` flips it to done before its answer has left the pool: rank 0's close waits
+    for rank 1 to close its feed too (or for its process to end), and no longer than the grace when
+    it does not."""
+    import threading
+
+    from hsx.run.scale.ranks import FeedPool
+
+    def closing(pool, grace):
+        done = threading.Event()
+        threading.Thread(target=lambda: (pool.wait_others(HANG_GUARD, grace), done.set()), daemon=True).start()
+        return done
+
+    pool = FeedPool(ExtractConfig(model="m", dataset="d", output="", ray=True).to_dict(), 2, 1, "test")
+    pool.tokens, pool.pass_no = {0: "a", 1: "b"}, 0
+    pool.ranks[0].pass_no = pool.ranks[1].pass_no = 0
+    pool.ranks[0].status = pool.ranks[1].status = "in"
+    done = closing(pool, grace=HANG_GUARD)
+    pool.finish(1, 0)
+    assert pool.ranks[1].status == "done"
+    assert not done.wait(0.5)  # done, but its feed still open: rank 0 waits
+    pool.close_rank(1)
+    assert done.wait(HANG_GUARD)
+
+    pool.ranks[1].status = "done"  # a rank that never closes its feed holds rank 0 back for the grace only
+    assert closing(pool, grace=0.1).wait(HANG_GUARD)
+
+
 def test_ranks_on_several_machines_with_no_cluster_are_told_how_to_start_one(monkeypatch):
     """A rank of a launcher that does not say every rank is on this machine joins ``auto``; when Ray
     finds no cluster (its own error, raised here: ``auto`` also finds other users' clusters on a

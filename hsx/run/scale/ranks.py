@@ -23,6 +23,7 @@ rank its whole share or fails on every rank that asks for more.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -43,6 +44,7 @@ POLL_SECONDS = 1.0  # a rank's call to the pool returns within this (plus the tr
 LEASE_SECONDS = 1.0  # how often the pool asks whether the ranks' processes are alive
 SCHEDULE_SECONDS = 0.02  # how often the pool looks for room to start a unit while others run
 CALL_SECONDS = 120.0  # a call the pool does not answer in this long means the pool is stuck
+CLOSE_GRACE_SECONDS = 10.0  # how long rank 0's close waits for ranks done with their passes to close theirs
 
 
 class Entry(NamedTuple):
@@ -247,11 +249,17 @@ class FeedPool:
             self.leases.pop(rank, None)
             self.cond.notify_all()
 
-    def wait_others(self, timeout: float) -> None:
-        """Return once no rank but 0 is in a pass that can still go on (their last records fetched), or after ``timeout``."""
+    def wait_others(self, timeout: float, grace: float = CLOSE_GRACE_SECONDS) -> None:
+        """Return once no rank but 0 is in a pass that can still go on (their last records fetched), or after
+        ``timeout``; then once every rank that joined has closed its feed (or its process ended), or after
+        ``grace`` more seconds: a rank whose ``finish`` the pool has run may still be waiting for the answer."""
         deadline = time.monotonic() + timeout
         with self.cond:
             while any(r.status == "in" for r in self.ranks[1:]) and self.error is None and self.pass_error is None:
+                if not self._wait(deadline):
+                    return
+            deadline = min(deadline, time.monotonic() + grace)
+            while any(r.status not in ("closed", "gone") for k, r in enumerate(self.ranks) if k > 0 and k in self.tokens):
                 if not self._wait(deadline):
                     return
 
@@ -361,6 +369,10 @@ class FeedPool:
                 ray.cancel(ref)
 
 
+class PoolGone(HsxError):
+    """The feed's pool ended (rank 0's job stopped or died)."""
+
+
 class RankSource:
     """One rank's end of a :class:`FeedPool`: rank 0 starts the pool, every other rank finds it."""
 
@@ -445,7 +457,7 @@ class RankSource:
         except RayTaskError as e:
             raise HsxError(f"rank {self.rank}: {e.cause if isinstance(e.cause, HsxError) else e}") from None
         except RayActorError:
-            raise HsxError(f"rank {self.rank}: the feed's pool is gone: rank 0, whose job holds it, stopped or "
+            raise PoolGone(f"rank {self.rank}: the feed's pool is gone: rank 0, whose job holds it, stopped or "
                            "died. The feed stops; a restarted job runs the pass again with the same shares") from None
         except GetTimeoutError:
             raise HsxError(f"rank {self.rank}: the feed's pool did not answer in {CALL_SECONDS:g} s") from None
@@ -477,7 +489,10 @@ class RankSource:
     def end_pass(self, finished: bool) -> None:
         """Tell the pool this rank has its whole share of the pass (``finished``), or stopped it early."""
         if finished:
-            self._call(self.pool.finish.remote(self.rank, self.pass_no))
+            try:
+                self._call(self.pool.finish.remote(self.rank, self.pass_no))
+            except PoolGone:
+                pass  # this rank holds its whole share; rank 0 may end the pool before the answer comes back
         else:
             p, position, reason = self.pass_no, self.position, self.reason
             self._quietly(lambda: self.pool.leave.remote(self.rank, p, position, reason))
@@ -509,7 +524,8 @@ class RankSource:
                 self._quietly(lambda: self.pool.close_rank.remote(self.rank))
             self.pool = None
         if self.lease is not None:
-            ray.kill(self.lease, no_restart=True)
+            with contextlib.suppress(Exception):  # rank 0 may have stopped the cluster it owned: the lease went with it
+                ray.kill(self.lease, no_restart=True)
             self.lease = None
         if self.published is not None:
             self.published.unlink(missing_ok=True)

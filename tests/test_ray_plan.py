@@ -12,7 +12,7 @@ import pytest
 
 from hsx.config import ExtractConfig
 from hsx.errors import HsxError
-from hsx.run.scale.ray_runner import dataset_units, plan_units
+from hsx.run.scale.units import dataset_units, plan_units
 from hsx.shards.packed import PackedInts, PackedStrings
 
 

@@ -134,7 +134,7 @@ def _committed(out: Path) -> int:
 
 
 def test_units_are_windows_and_a_repeated_id_joins_its_first_row():
-    from hsx.run.scale.ray_runner import plan_units
+    from hsx.run.scale.units import plan_units
 
     cfg = ExtractConfig(model="m", dataset="d", output="o", batch_size=2, unit_size=4)
     ids = ["a", "b", "c", "d", "e", "a", None, "h", "i", "c"]
@@ -249,7 +249,8 @@ def test_driver_killed_then_resumed(setup, reference, local_ray, tmp_path, caplo
 
 
 def test_driver_refuses_a_shard_it_cannot_see_or_a_second_commit(tmp_path):
-    from hsx.run.scale.ray_runner import Unit, _commit
+    from hsx.run.scale.ray_runner import _commit
+    from hsx.run.scale.units import Unit
     from hsx.shards.manifest import Manifest
 
     (tmp_path / ".shard-000001-aaaa-00.parquet.part").write_bytes(b"x" * 10)  # a worker's shard, staged

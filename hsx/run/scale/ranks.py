@@ -36,7 +36,8 @@ from hsx.config import ExtractConfig
 from hsx.run.startup import open_rows
 from hsx.errors import HsxError
 from hsx.run.scale.cluster import await_address, one_node, publish_address
-from hsx.run.scale.ray_runner import LOST, connect, dataset_units, describe_workers, start_workers, unit_result
+from hsx.run.scale.ray_runner import LOST, connect, describe_workers, start_workers, unit_result
+from hsx.run.scale.units import dataset_units
 from hsx.run.scale.worker import decode_item
 
 NAMESPACE = "hsx"  # the Ray namespace of the pools: every rank finds rank 0's there, whatever its own

@@ -2,7 +2,7 @@
 
 :class:`RaySource` is what :class:`hsx.run.feed.Feed` reads when the config says ``ray``: the same
 workers and units as ``hsx extract --ray`` (:func:`~hsx.run.scale.ray_runner.start_workers`,
-:func:`~hsx.run.scale.ray_runner.dataset_units`), each unit run by
+:func:`~hsx.run.scale.units.dataset_units`), each unit run by
 :meth:`~hsx.run.scale.worker.ExtractWorker.stream_unit` and its records sent back through Ray's object
 store. Units are handed out in order and yielded in order; at most ``workers + ahead_units`` are
 running or finished and waiting, so a slow trainer holds the workers back. A unit whose worker
@@ -18,7 +18,8 @@ from typing import Iterator
 from hsx.config import ExtractConfig
 from hsx.run.startup import open_rows
 from hsx.errors import HsxError
-from hsx.run.scale.ray_runner import LOST, connect, dataset_units, describe_workers, start_workers, unit_result
+from hsx.run.scale.ray_runner import LOST, connect, describe_workers, start_workers, unit_result
+from hsx.run.scale.units import dataset_units
 from hsx.run.scale.worker import decode_item
 
 

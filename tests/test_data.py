@@ -566,16 +566,16 @@ def test_a_json_file_over_the_bound_is_converted_by_a_child_and_only_mapped_here
         {"text": "b", "turns": [{"role": "user", "content": "yo"}]}])),
 ])
 def test_a_file_converted_by_the_child_reads_as_one_read_here(tmp_path, monkeypatch, name, text):
-    (tmp_path / "here").mkdir()
-    (tmp_path / "child").mkdir()
-    (tmp_path / "here" / name).write_text(text)
-    (tmp_path / "child" / name).write_text(text)
-    here = load_rows(str(tmp_path / "here" / name))
+    (tmp_path / name).write_text(text)
+    here = load_rows(str(tmp_path / name))
     monkeypatch.setattr("hsx.data.load.CONVERT_APART_BYTES", 0)
-    child = load_rows(str(tmp_path / "child" / name))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "child-cache"))  # converted afresh
+    child = load_rows(str(tmp_path / name))
+    assert child.cache_files[0]["filename"].startswith(str(tmp_path / "child-cache"))
     assert child.features == here.features
     assert child.data.table.equals(here.data.table)
     assert child.to_list() == here.to_list()
+    assert dataset_fingerprint(child) == dataset_fingerprint(here)  # a resume sees the same input
 
 
 def test_a_converted_file_is_converted_again_only_when_it_changes(tmp_path, monkeypatch, caplog):

@@ -599,6 +599,13 @@ def test_a_converted_file_is_converted_again_only_when_it_changes(tmp_path, monk
         assert [c.ok for c in conversions()] == [True, True]
 
 
+def test_with_no_interpreter_to_start_the_file_is_read_here(tmp_path, monkeypatch):
+    monkeypatch.setattr("hsx.data.load.CONVERT_APART_BYTES", 0)
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))
+    path = write_jsonl(tmp_path / "rows.jsonl", ROWS)
+    assert load_rows(str(path)).to_list() == ROWS
+
+
 def test_a_bad_file_the_child_cannot_convert_is_read_here_and_named(tmp_path, monkeypatch):
     monkeypatch.setattr("hsx.data.load.CONVERT_APART_BYTES", 0)
     (tmp_path / "broken.jsonl").write_text('{"text": "ok"}\n{"text": "fine"}\n{"text": \n')

@@ -58,7 +58,11 @@ def convert_apart(path: Path, builder: str) -> Conversion | None:
         return None
     cmd = [sys.executable, "-P", "-c", _CHILD, builder, str(path), str(datasets.config.HF_DATASETS_CACHE)]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    try:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    except OSError as e:  # no interpreter to start (an embedded Python): the caller reads the file itself
+        log.info("%s: no child process to convert it (%s); read here instead", path, e)
+        return Conversion(time.perf_counter() - t0, 0.0, 0.0, False)
     try:
         _, status, usage = os.wait4(proc.pid, 0)  # wait4: the child's own CPU and peak memory
     except BaseException:  # Ctrl-C: the child goes too

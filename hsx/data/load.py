@@ -71,8 +71,8 @@ def _open(source: str, data_files) -> datasets.DatasetDict | datasets.Dataset:
                 raise HsxError(f"cannot read {source!r}: unknown file type; expected one of {sorted(FILE_BUILDERS)}")
             if builder in ("json", "csv"):
                 check_utf8(path)
-            if builder in ("json", "csv") and path.stat().st_size > CONVERT_APART_BYTES:
-                convert_apart(path, builder)
+                if path.stat().st_size > CONVERT_APART_BYTES:
+                    convert_apart(path, builder)
             try:
                 with _quiet_json_log():  # its message counts rows from 0; check_json names the line
                     return datasets.load_dataset(builder, data_files={"train": str(path)})
